@@ -90,6 +90,39 @@ class DatasetCreator:
         return f"kerasps.DatasetCreator({getattr(self.dataset_fn, '__name__', self.dataset_fn)!r})"
 
 
+@dataclasses.dataclass(frozen=True)
+class DistributedInput:
+    """What a kerasps strategy's distributed dataset was made from.
+
+    Exactly one field is set: `dataset` for
+    `strategy.experimental_distribute_dataset(dataset)`, `creator` for
+    `strategy.distribute_datasets_from_function(dataset_fn, options)`.
+    """
+
+    dataset: tf.data.Dataset | None = None
+    creator: DatasetCreator | None = None
+
+
+def unwrap_distributed(x, argument="x"):
+    """The `tf.data.Dataset` or `DatasetCreator` behind a distributed dataset.
+
+    Anything that is not a distributed dataset is returned unchanged. A
+    distributed dataset that no kerasps strategy made cannot be read again
+    per worker: the error says what to pass instead.
+    """
+    if not isinstance(x, tf.distribute.DistributedDataset):
+        return x
+    source = getattr(x, "_kerasps_input", None)
+    if source is None:
+        raise ValueError(
+            f"Invalid value for argument `{argument}`: a distributed dataset made by "
+            "another strategy cannot be read by kerasps workers. Pass the dataset itself, "
+            "the result of `kerasps.ParameterServerStrategy.experimental_distribute_dataset"
+            "` or `distribute_datasets_from_function` of the model's strategy, or a "
+            f"`kerasps.DatasetCreator`. Received: {argument}={type(x).__name__} {x!r:.100}")
+    return source.dataset if source.dataset is not None else source.creator
+
+
 def check_dataset(dataset, dataset_fn):
     if not isinstance(dataset, tf.data.Dataset):
         name = getattr(dataset_fn, "__name__", repr(dataset_fn))
@@ -185,6 +218,7 @@ class PerWorkerDataset:
         self._strategy = strategy
         self._coordinator = coordinator
         self.info = DatasetInfo()
+        dataset_fn = unwrap_distributed(dataset_fn, "dataset_fn")
         if isinstance(dataset_fn, tf.data.Dataset):
             dataset = dataset_fn
             graph = _tf.serialize_dataset(dataset)

@@ -192,6 +192,29 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         self._extended._init_kerasps(variable_partitioner, placement)
         self._placement = placement
 
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """TensorFlow's distributed dataset, which kerasps's `fit`, `evaluate`,
+        `predict` and `ClusterCoordinator.create_per_worker_dataset` also accept.
+
+        They read it as they read `dataset` itself (see `kerasps.trainer` and
+        `kerasps.ClusterCoordinator.create_per_worker_dataset`).
+        """
+        distributed = super().experimental_distribute_dataset(dataset, options)
+        distributed._kerasps_input = input_lib.DistributedInput(dataset=dataset)
+        return distributed
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """TensorFlow's per-worker datasets, which kerasps's `fit`, `evaluate`,
+        `predict` and `ClusterCoordinator.create_per_worker_dataset` also accept.
+
+        They read it as `kerasps.DatasetCreator(dataset_fn, options)`: each
+        worker calls `dataset_fn` with its own `kerasps.InputContext`.
+        """
+        distributed = super().distribute_datasets_from_function(dataset_fn, options)
+        distributed._kerasps_input = input_lib.DistributedInput(
+            creator=input_lib.DatasetCreator(dataset_fn, input_options=options))
+        return distributed
+
     @property
     def num_workers(self) -> int:
         return self._extended._num_workers

@@ -31,7 +31,14 @@ Inputs accepted for `x`:
   `k % num_workers == i`; `steps_per_epoch` defaults to its cardinality;
 * arrays (NumPy, tensors, or dicts/lists of them) with `y`, `sample_weight`
   and `batch_size` (default 32): converted to such a dataset; `fit`
-  shuffles them each epoch unless `shuffle=False`.
+  shuffles them each epoch unless `shuffle=False`;
+* what the strategy's own `experimental_distribute_dataset(dataset)` and
+  `distribute_datasets_from_function(fn, options)` return (code ported from
+  tf_keras): read as `dataset` and as `DatasetCreator(fn, options)`.
+
+A compiled model need not be built first: `fit`, `evaluate` and the
+`*_on_batch` methods build it with its loss and metrics, `predict` and
+`predict_on_batch` build its layers only (there are no targets).
 
 `evaluate` and `predict` without `steps` run until every worker's dataset is
 exhausted, visiting each element once; `predict` returns outputs in input
@@ -104,6 +111,7 @@ def _require_none_with_batches(kind, arg, **values):
 
 
 def _make_source(x, y, sample_weight, batch_size, shuffle, training, arg="x"):
+    x = input_lib.unwrap_distributed(x, arg)
     if isinstance(x, input_lib.DatasetCreator) or (
             callable(x) and not isinstance(x, tf.data.Dataset) and not _is_array_like(x)):
         _require_none_with_batches("`DatasetCreator`", arg, y=y, sample_weight=sample_weight,
@@ -585,9 +593,9 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
         _require_finite(source, coordinator, "steps")
 
     per_worker = _per_worker_dataset(coordinator, source, "predict")
+    # Computing the output spec also builds an unbuilt model (its layers only:
+    # prediction needs no loss, metrics or optimizer, and has no `y` to build them).
     x_spec = per_worker.info.element_spec[1]
-    if not model.built:
-        model._symbolic_build(data_batch=(x_spec,))
     empty_outputs = tree.map_structure(
         lambda t: tf.zeros([0] + list(t.shape[1:]), dtype=t.dtype),
         _keras.compute_output_spec(model, x_spec))
@@ -692,5 +700,6 @@ def test_on_batch(model, x, y=None, sample_weight=None, return_dict=False):
 def predict_on_batch(model, x):
     """`model.predict_on_batch` under a kerasps strategy: one batch on some worker."""
     data = _batch_data(x, None, None)
+    _keras.compute_output_spec(model, tree.map_structure(tf.TensorSpec.from_tensor, data))
     outputs = _run_on_batch(model, "predict", (data,))
     return tree.map_structure(np.asarray, outputs)

@@ -101,9 +101,15 @@ def sharded_class_for(args, kwargs):
     shape, initializer = arguments.get("shape"), arguments.get("initializer")
     if isinstance(initializer, str):
         initializer = keras.initializers.get(initializer)
-    if shape is None or not callable(initializer) or len(tuple(shape)) == 0:
+    dtype = arguments.get("dtype")
+    if initializer is not None and not callable(initializer):
+        # `keras.Variable(value)`: shaped (and typed) by its value, like `add_weight`
+        # variables by their arguments, so it is partitioned the same way.
+        value = keras.ops.convert_to_tensor(initializer, dtype=dtype)
+        shape, dtype = tuple(value.shape), value.dtype
+    if shape is None or len(tuple(shape)) == 0:
         return None
-    dtype = arguments.get("dtype") or "float32"
+    dtype = dtype or keras.config.floatx()
     num_shards = strategy.extended.num_shards(tuple(shape), dtype)
     return ShardedVariable if num_shards > 1 else None
 
@@ -150,6 +156,13 @@ class ShardedVariable(_keras.KerasTFVariable):
     def __init__(self, initializer, shape=None, dtype=None, trainable=True, autocast=True,
                  aggregation="none", synchronization="auto", name=None, **kwargs):
         self._shards = []
+        if isinstance(initializer, str):
+            initializer = keras.initializers.get(initializer)
+        if not callable(initializer):
+            # A value (`keras.Variable([...])`): split it like an initializer's output.
+            value = keras.ops.convert_to_tensor(initializer, dtype=dtype)
+            shape, dtype = tuple(value.shape), value.dtype
+            initializer = lambda shape, dtype=None: value  # noqa: E731
         self._init_kwargs = dict(trainable=trainable, autocast=autocast,
                                  aggregation=aggregation, synchronization=synchronization)
         super().__init__(initializer, shape=shape, dtype=dtype, trainable=trainable,
