@@ -64,6 +64,11 @@ def metrics_result_or_logs(model, logs):
     return model._get_metrics_result_or_logs(logs)
 
 
+def history_of(callbacks):
+    """The `keras.callbacks.History` of a `CallbackList`, or `None`."""
+    return getattr(callbacks, "_history", None)
+
+
 def flatten_metrics_in_order(model, logs):
     return model._flatten_metrics_in_order(logs)
 

@@ -3,6 +3,8 @@
 A TensorFlow upgrade that moves these touches only this file.
 """
 
+import weakref
+
 from tensorflow.python.distribute import input_lib, input_util
 from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
 from tensorflow.python.distribute.coordinator import cluster_coordinator
@@ -47,6 +49,51 @@ def distributed_datasets_from_function(strategy, dataset_fn, input_workers, inpu
     return input_util.get_distributed_datasets_from_function(
         dataset_fn, input_workers, [input_context], strategy, options=options,
         build=tf.inside_function())
+
+
+class _ResultOnCoordinator(coordinator_values.RemoteValueImpl):
+    """A scheduled function's result, published only once it is on the coordinator.
+
+    TensorFlow publishes a result as soon as the worker has computed it and
+    copies it to the coordinator afterwards, so a `fetch()` in between reads
+    from the worker itself: if that worker has just died, `fetch()` raises
+    `UnavailableError` although TensorFlow runs the function again elsewhere.
+    Copying before publishing keeps the copy inside TensorFlow's failure
+    handling: a worker lost before its result reached the coordinator is a
+    worker failure like any other, and the function runs again.
+    """
+
+    def _set_values(self, tensors):
+        self._values = tensors
+        fetched = self._copy_to_local()  # raises on a lost worker: TF re-queues the function
+        with self._has_fetched_to_local_lock:
+            self._fetched_tensors = fetched
+            self._has_fetched_to_local = True
+        super()._set_values(tensors)
+
+
+_results_installed = False
+
+
+def install_results_on_coordinator():
+    """Makes every scheduled function's `RemoteValue` a `_ResultOnCoordinator` (idempotent)."""
+    global _results_installed
+    if _results_installed:
+        return
+    _results_installed = True
+    closure_cls = cluster_coordinator.Closure
+    original = closure_cls.build_output_remote_value
+
+    def build_output_remote_value(closure):
+        if type(closure) is not closure_cls:  # resources (iterators) stay on their worker
+            return original(closure)
+        if closure._output_remote_value_ref is not None:
+            raise ValueError("The output of the Closure cannot be built more than once.")
+        remote = _ResultOnCoordinator(None, closure._output_type_spec)
+        closure._output_remote_value_ref = weakref.ref(remote)
+        return remote
+
+    closure_cls.build_output_remote_value = build_output_remote_value
 
 
 def remote_value_ready(remote_value) -> bool:

@@ -2,6 +2,9 @@
 
     kerasps demo [--workers N] [--ps N] [--epochs N] [--steps-per-epoch N]
     kerasps serve            # run this worker/ps task of the cluster in $TF_CONFIG
+    kerasps launch [--workers N] [--ps N] [--max-restarts K] [--gpus-per-worker G]
+                   [--emit k8s --image IMAGE [--name NAME] [--output-dir DIR]]
+                   script.py [args ...]
     kerasps --version
 """
 
@@ -50,7 +53,68 @@ def parser() -> argparse.ArgumentParser:
                     "names (as Kubernetes TFJob and similar launchers set it) and serves "
                     "until killed. The chief runs the training program with "
                     "kerasps.cluster.from_tf_config().")
+    launch = commands.add_parser(
+        "launch", help="run a script as the chief of a local multi-process cluster",
+        description="Starts one process per task on this machine (workers and ps tasks as "
+                    "`kerasps serve`, the chief as `python script.py args`), each with its own "
+                    "TF_CONFIG on loopback ports, restarts failed workers and ps tasks on the "
+                    "same address, and ends every process when the chief exits or on Ctrl-C. "
+                    "With --emit k8s, writes Kubernetes manifests for the same job instead.")
+    launch.add_argument("--workers", type=_positive, default=2, help="worker tasks (default 2)")
+    launch.add_argument("--ps", type=_positive, default=1, help="ps tasks (default 1)")
+    launch.add_argument("--max-restarts", type=_non_negative, default=3,
+                        help="restarts allowed per worker or ps task (default 3)")
+    launch.add_argument("--gpus-per-worker", type=_positive, default=None,
+                        help="GPUs per worker, split through CUDA_VISIBLE_DEVICES")
+    launch.add_argument("--emit", choices=["k8s"], default=None,
+                        help="write a Kubeflow TFJob and a plain Kubernetes manifest, run nothing")
+    launch.add_argument("--image", help="container image holding kerasps and the script "
+                                        "(required with --emit)")
+    launch.add_argument("--name", help="job name in the manifests (default: the script's name)")
+    launch.add_argument("--output-dir", default=".", help="where --emit writes (default .)")
+    launch.add_argument("program", nargs=argparse.REMAINDER,
+                        help="the chief's script and its arguments")
     return top
+
+
+def _non_negative(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, received {text!r}")
+    return value
+
+
+def _launch(args) -> int:
+    from kerasps import launch
+
+    if not args.program:
+        print("kerasps launch: the chief's script is required (kerasps launch [options] "
+              "script.py [args])", file=sys.stderr)
+        return 2
+    spec = launch.LaunchSpec(program=tuple(args.program), workers=args.workers, ps=args.ps,
+                             max_restarts=args.max_restarts,
+                             gpus_per_worker=args.gpus_per_worker)
+    if args.emit is None:
+        return launch.Launcher(spec).run()
+    from kerasps import manifests
+
+    if not args.image:
+        print("kerasps launch: --image is required with --emit (an image holding kerasps "
+              "and the script)", file=sys.stderr)
+        return 2
+    name = manifests.job_name(args.name or os.path.splitext(os.path.basename(spec.program[0]))[0])
+    os.makedirs(args.output_dir, exist_ok=True)
+    outputs = {f"{name}.tfjob.yaml": manifests.tfjob(spec, name, args.image),
+               f"{name}.k8s.yaml": manifests.kubernetes(spec, name, args.image)}
+    for filename, objects in outputs.items():
+        path = os.path.join(args.output_dir, filename)
+        with open(path, "w") as f:
+            f.write(manifests.dump(objects))
+        print(path)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -62,6 +126,8 @@ def main(argv=None) -> int:
         demo.run(demo.DemoConfig(workers=args.workers, ps=args.ps, epochs=args.epochs,
                                  steps_per_epoch=args.steps_per_epoch,
                                  placement=args.placement, verbose=args.verbose))
+    elif args.command == "launch":
+        return _launch(args)
     elif args.command == "serve":
         from kerasps import cluster
 

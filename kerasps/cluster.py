@@ -247,7 +247,10 @@ def from_tf_config(tf_config: str | None = None):
     parsed = _read_tf_config(tf_config)
     import tensorflow as tf
 
+    from kerasps import launch
+
     _enable_fail_fast()
+    launch.install_chief_handler()
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(parsed["training_cluster"]),
         task_type=parsed["task_type"],

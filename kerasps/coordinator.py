@@ -70,6 +70,7 @@ class ClusterCoordinator:
                 f"`kerasps.ParameterServerStrategy`. Received: strategy={strategy!r}"
             )
         self._strategy = strategy
+        _tf.install_results_on_coordinator()
         self._tf_coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
         self._trace_lock = threading.Lock()
         self._trace = None

@@ -49,6 +49,7 @@ interleaved: batch `j` of worker `i` is batch `j * num_workers + i`).
 from __future__ import annotations
 
 import collections
+import logging
 import warnings
 
 import numpy as np
@@ -381,6 +382,30 @@ def _logs(values):
 
 
 # -- fit ------------------------------------------------------------------------------
+def _iterations(model):
+    optimizer = model.optimizer
+    return None if optimizer is None or not optimizer.built else int(optimizer.iterations.numpy())
+
+
+def _record_reexecuted_steps(model, history, epoch, iterations_before, steps):
+    """Counts the epoch's steps that ran twice and reports them in the History.
+
+    Scheduled functions run at least once: one whose worker failed before its
+    result reached the coordinator runs again elsewhere, and the steps it had
+    already applied count twice in `optimizer.iterations` (a counter on the ps
+    that every applied step increments). `history.history["reexecuted_steps"]`
+    holds one count per epoch.
+    """
+    after = _iterations(model)
+    count = 0 if iterations_before is None or after is None else max(
+        0, after - iterations_before - steps)
+    if history is not None:
+        history.history.setdefault("reexecuted_steps", []).append(count)
+    if count:
+        logging.warning("Epoch %d: %d step(s) ran twice: a worker failed before its results "
+                        "reached the coordinator (training is at-least-once).", epoch + 1, count)
+
+
 def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
         validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
         sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
@@ -452,6 +477,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     logs = {}
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()
+        iterations_before = _iterations(model)
         callbacks.on_epoch_begin(epoch)
         if tracing:
             coordinator.set_trace_phase("train", spe)
@@ -483,6 +509,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         if validation is not None and _keras.should_eval(model, epoch, validation_freq):
             val_logs = validation.run(callbacks=callbacks, verbose=0, return_dict=True)
             epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+        _record_reexecuted_steps(model, _keras.history_of(callbacks), epoch, iterations_before,
+                                 step)
         callbacks.on_epoch_end(epoch, epoch_logs)
         training_logs = epoch_logs
         if model.stop_training:

@@ -1,0 +1,331 @@
+"""`kerasps launch`: one OS process per task on this machine, and a restart agent.
+
+    kerasps launch --workers 2 --ps 1 --max-restarts 3 train.py --epochs 5
+
+starts the worker and ps tasks as `kerasps serve` processes and the chief as
+`python train.py ...`, each with its own `TF_CONFIG` on loopback ports, so the
+script is the one a platform that sets `TF_CONFIG` (Kubernetes TFJob and the
+like) would run. Output is prefixed with the task (`[worker 1] ...`). The
+agent watches every process: a worker or ps task that exits is started again
+on the same address while its restart budget lasts (`kerasps.restarts` holds
+that policy); the chief's exit, Ctrl-C or SIGTERM ends every process.
+
+When a budget is spent the job ends: the launcher tells the chief why (the
+chief's `kerasps.cluster.from_tf_config()` turns that into a
+`kerasps.launch.TaskFailedError` naming the task and its exit code), stops
+every process and exits with status 1.
+
+Pure Python: importing this module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from kerasps import restarts as restarts_lib
+from kerasps._validation import positive_int
+
+__all__ = ["LaunchSpec", "Task", "Launcher", "TaskFailedError", "make_cluster", "tf_config",
+           "install_chief_handler", "REPORT_ENV"]
+
+# Where the launcher writes why it is ending the job, for the chief to read.
+REPORT_ENV = "KERASPS_LAUNCH_REPORT"
+# Seconds a process gets to exit after SIGTERM before it is killed.
+GRACE_PERIOD = 10.0
+POLL_INTERVAL = 0.05
+
+
+class TaskFailedError(RuntimeError):
+    """A task of the job failed for good (its restart budget is spent)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One task of the cluster: `type` is `"chief"`, `"worker"` or `"ps"`."""
+
+    type: str
+    index: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.type} {self.index}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchSpec:
+    """What `kerasps launch` runs.
+
+    Attributes:
+        program: the chief's script and its arguments (`("train.py", "--epochs", "5")`).
+        workers: worker tasks.
+        ps: ps tasks.
+        max_restarts: restarts allowed per worker or ps task.
+        gpus_per_worker: GPUs given to each worker through
+            `CUDA_VISIBLE_DEVICES` (worker `i` gets GPUs `i*G .. i*G+G-1`; the
+            chief and ps tasks get none); `None` leaves the variable alone.
+        host: the address the tasks listen on.
+    """
+
+    program: tuple
+    workers: int = 2
+    ps: int = 1
+    max_restarts: int = 3
+    gpus_per_worker: int | None = None
+    host: str = "localhost"
+
+    def __post_init__(self):
+        positive_int("workers", self.workers)
+        positive_int("ps", self.ps)
+        positive_int("max_restarts", self.max_restarts, minimum=0)
+        positive_int("gpus_per_worker", self.gpus_per_worker, allow_none=True)
+        if not self.program or not isinstance(self.program[0], str) or not self.program[0]:
+            raise ValueError("Invalid value for argument `program`: expected the chief's "
+                             f"script and its arguments. Received: program={self.program!r}")
+        object.__setattr__(self, "program", tuple(self.program))
+
+    @property
+    def tasks(self) -> list[Task]:
+        return ([Task("ps", i) for i in range(self.ps)]
+                + [Task("worker", i) for i in range(self.workers)] + [Task("chief", 0)])
+
+
+def make_cluster(spec: LaunchSpec, pick_port=None) -> dict:
+    """`{"chief": [...], "worker": [...], "ps": [...]}` with a free port per task."""
+    if pick_port is None:
+        import portpicker
+
+        pick_port = portpicker.pick_unused_port
+    counts = {"chief": 1, "worker": spec.workers, "ps": spec.ps}
+    return {kind: [f"{spec.host}:{pick_port()}" for _ in range(n)] for kind, n in counts.items()}
+
+
+def tf_config(cluster: dict, task: Task) -> str:
+    return json.dumps({"cluster": cluster, "task": {"type": task.type, "index": task.index}})
+
+
+def _command(spec: LaunchSpec, task: Task) -> list[str]:
+    if task.type == "chief":
+        return [sys.executable, *spec.program]
+    return [sys.executable, "-m", "kerasps.cli", "serve"]
+
+
+def _environment(spec: LaunchSpec, cluster: dict, task: Task, base: dict, report: str) -> dict:
+    env = dict(base)
+    env["TF_CONFIG"] = tf_config(cluster, task)
+    env["PYTHONUNBUFFERED"] = "1"  # prefixed output arrives line by line
+    if task.type == "chief":
+        env[REPORT_ENV] = report
+    if spec.gpus_per_worker is not None:
+        if task.type == "worker":
+            first = task.index * spec.gpus_per_worker
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                str(g) for g in range(first, first + spec.gpus_per_worker))
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+_PR_SET_PDEATHSIG = 1
+try:
+    _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:  # pragma: no cover - no libc to load
+    _libc = None
+
+
+def _die_with_launcher():
+    """In the child, before exec: killed if the launcher dies, even by SIGKILL."""
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class _Process:
+    """One task's current OS process, its restarts and its output pump."""
+
+    def __init__(self, task: Task):
+        self.task = task
+        self.popen: subprocess.Popen | None = None
+        self.restarts = 0
+        self.state = restarts_lib.TaskState.RUNNING
+        self.pump: threading.Thread | None = None
+
+
+class Launcher:
+    """Runs a `LaunchSpec` and its restart agent; `run()` returns the exit status.
+
+    Args:
+        spec: what to run.
+        out: where the tasks' prefixed output and the launcher's messages go.
+        env: the environment the tasks start from (default `os.environ`).
+        pick_port: returns a free port (default `portpicker.pick_unused_port`).
+    """
+
+    def __init__(self, spec: LaunchSpec, out=None, env=None, pick_port=None):
+        self.spec = spec
+        self.policy = restarts_lib.RestartPolicy(spec.max_restarts)
+        self.cluster = make_cluster(spec, pick_port)
+        self._out = out or sys.stdout
+        self._base_env = dict(os.environ if env is None else env)
+        self._write_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._stop_reason = None
+        self._processes: dict[Task, _Process] = {}
+        self._report = None
+
+    # -- output ------------------------------------------------------------------------
+    def _say(self, line: str):
+        self._write(f"[launcher] {line}\n")
+
+    def _write(self, text: str):
+        with self._write_lock:
+            self._out.write(text)
+            self._out.flush()
+
+    def _pump(self, process: _Process, stream):
+        prefix = f"[{process.task.name}] "
+        for raw in iter(stream.readline, b""):
+            self._write(prefix + raw.decode(errors="replace").rstrip("\n") + "\n")
+        stream.close()
+
+    # -- processes ---------------------------------------------------------------------
+    def _start(self, process: _Process):
+        task = process.task
+        env = _environment(self.spec, self.cluster, task, self._base_env, self._report)
+        process.popen = subprocess.Popen(
+            _command(self.spec, task), env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_launcher)
+        process.state = restarts_lib.TaskState.RUNNING
+        process.pump = threading.Thread(target=self._pump, args=(process, process.popen.stdout),
+                                        name=f"kerasps-launch-{task.type}-{task.index}",
+                                        daemon=True)
+        process.pump.start()
+        address = self.cluster[task.type][task.index]
+        self._say(f"started {task.name} at {address} (pid {process.popen.pid})")
+
+    def request_stop(self, reason: str = "stopped"):
+        """Ends the job from another thread or a signal handler."""
+        self._stop_reason = reason
+        self._stop.set()
+
+    def _signal_handler(self, signum, frame):
+        self.request_stop(f"received {signal.Signals(signum).name}")
+
+    def run(self) -> int:
+        """Starts every task, restarts failed servers, and returns the job's exit status:
+        the chief's, 1 if a budget was spent, 128 + N after signal N."""
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                handlers[signum] = signal.signal(signum, self._signal_handler)
+        fd, self._report = tempfile.mkstemp(prefix="kerasps-launch-", suffix=".txt")
+        os.close(fd)
+        try:
+            for task in self.spec.tasks:
+                self._processes[task] = _Process(task)
+                self._start(self._processes[task])
+            return self._supervise()
+        finally:
+            self._shutdown()
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+            os.unlink(self._report)
+
+    def _supervise(self) -> int:
+        while not self._stop.wait(POLL_INTERVAL):
+            for process in self._processes.values():
+                code = process.popen.poll()
+                if code is None:
+                    continue
+                decision = self.policy.decide(process.task.type, process.task.index, code,
+                                              process.restarts)
+                if decision.action is restarts_lib.Action.RESTART:
+                    self._say(decision.reason)
+                    process.restarts += 1
+                    process.state = restarts_lib.TaskState.RESTARTING
+                    process.pump.join()
+                    self._start(process)
+                elif decision.action is restarts_lib.Action.FINISH:
+                    process.state = (restarts_lib.TaskState.SUCCEEDED if code == 0
+                                     else restarts_lib.TaskState.FAILED)
+                    self._say(decision.reason)
+                    return code if code >= 0 else 128 - code
+                else:
+                    process.state = restarts_lib.TaskState.FAILED
+                    self._say(f"ending the job: {decision.reason}")
+                    self._fail_chief(decision.reason)
+                    return 1
+        self._say(f"ending the job: {self._stop_reason}")
+        return 130 if "SIGINT" in (self._stop_reason or "") else 143
+
+    def _fail_chief(self, reason: str):
+        """Tells the chief why the job ends; its handler raises `TaskFailedError`."""
+        with open(self._report, "w") as f:
+            f.write(reason)
+        chief = self._processes[Task("chief", 0)].popen
+        if chief.poll() is None:
+            chief.send_signal(signal.SIGTERM)
+            try:
+                chief.wait(GRACE_PERIOD)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _shutdown(self):
+        """SIGTERM to every remaining process group, SIGKILL after the grace period."""
+        alive = [p for p in self._processes.values() if p.popen and p.popen.poll() is None]
+        for process in alive:
+            process.state = restarts_lib.TaskState.STOPPED
+            _signal_group(process.popen, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_PERIOD
+        for process in alive:
+            try:
+                process.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(process.popen, signal.SIGKILL)
+                process.popen.wait()
+        for process in self._processes.values():
+            if process.popen is not None:
+                _signal_group(process.popen, signal.SIGKILL)  # leftovers of the task's group
+            if process.pump is not None:
+                process.pump.join(timeout=GRACE_PERIOD)
+
+    @property
+    def restarts(self) -> dict:
+        """`{task name: restarts so far}`."""
+        return {p.task.name: p.restarts for p in self._processes.values()}
+
+
+def _signal_group(popen: subprocess.Popen, signum):
+    try:
+        os.killpg(popen.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# -- in the chief --------------------------------------------------------------------------
+def install_chief_handler():
+    """Under `kerasps launch`, makes the launcher's SIGTERM raise `TaskFailedError` with
+    its reason in the chief's main thread (a no-op elsewhere)."""
+    report = os.environ.get(REPORT_ENV)
+    if not report or threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_sigterm(signum, frame):
+        try:
+            with open(report) as f:
+                reason = f.read().strip()
+        except OSError:
+            reason = ""
+        if not reason:
+            raise SystemExit(128 + signum)  # the job is being stopped (Ctrl-C)
+        raise TaskFailedError(f"The job failed: {reason}.")
+
+    signal.signal(signal.SIGTERM, on_sigterm)

@@ -1,0 +1,92 @@
+"""What the restart agent does when a task's process exits: pure policy, no TensorFlow.
+
+`kerasps launch` (the mechanism, `kerasps.launch`) asks `RestartPolicy.decide`
+what to do each time a process ends; the simulator can ask the same
+questions of its simulated tasks. The budget is per task: each worker and ps
+task may be restarted `max_restarts` times on its own address (as Kubernetes
+restarts a pod's container in place); one more exit ends the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from kerasps._validation import positive_int
+
+__all__ = ["Action", "Decision", "RestartPolicy", "TaskState", "describe_exit"]
+
+# Task types whose processes are servers (restartable) and the one running the program.
+SERVER_TYPES = ("worker", "ps")
+PROGRAM_TYPE = "chief"
+
+
+class TaskState(enum.Enum):
+    """Where one task's process is in its life."""
+
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    SUCCEEDED = "succeeded"  # the chief's program returned 0
+    FAILED = "failed"  # exited and will not be restarted
+    STOPPED = "stopped"  # ended by the launcher (the job is over)
+
+
+class Action(enum.Enum):
+    RESTART = "restart"  # start the task again on the same address
+    END_JOB = "end_job"  # stop every task; the job failed
+    FINISH = "finish"  # the chief is done: stop every task, exit with its code
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+
+
+def describe_exit(exit_code: int) -> str:
+    """'exit code 3' or 'signal 9 (SIGKILL)' for a `Popen.returncode`."""
+    if exit_code is not None and exit_code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-exit_code).name
+        except ValueError:
+            name = "unknown signal"
+        return f"signal {-exit_code} ({name})"
+    return f"exit code {exit_code}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartPolicy:
+    """Restarts failed server tasks within a budget.
+
+    Attributes:
+        max_restarts: restarts allowed per worker or ps task (0: none).
+    """
+
+    max_restarts: int = 3
+
+    def __post_init__(self):
+        positive_int("max_restarts", self.max_restarts, minimum=0)
+
+    def decide(self, task_type: str, index: int, exit_code: int, restarts: int) -> Decision:
+        """What to do now that task `task_type:index` exited with `exit_code`.
+
+        Args:
+            task_type: `"chief"`, `"worker"` or `"ps"`.
+            index: the task's index within its type.
+            exit_code: the process's return code (negative: killed by a signal).
+            restarts: how many times this task was already restarted.
+        """
+        if task_type == PROGRAM_TYPE:
+            return Decision(Action.FINISH, f"chief finished with {describe_exit(exit_code)}")
+        if task_type not in SERVER_TYPES:
+            raise ValueError(f"Invalid value for argument `task_type`: expected one of "
+                             f"{(PROGRAM_TYPE,) + SERVER_TYPES}. Received: task_type={task_type!r}")
+        what = f"{task_type} {index} exited with {describe_exit(exit_code)}"
+        if restarts < self.max_restarts:
+            return Decision(Action.RESTART,
+                            f"{what}; restart {restarts + 1} of {self.max_restarts}")
+        return Decision(Action.END_JOB,
+                        f"{what} and its restart budget is spent "
+                        f"({self.max_restarts} restart{'s' * (self.max_restarts != 1)})")

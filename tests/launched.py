@@ -1,0 +1,120 @@
+"""A `kerasps launch` job run by a test: its prefixed output, its pids, its exit."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+DEADLINE = 240  # seconds a job may take: generous for 2 loaded cores, never asserted on
+
+STARTED = re.compile(r"\[launcher\] started (\w+ \d+) at \S+ \(pid (\d+)\)")
+
+
+def launch(tmp_path, chief_code: str, *options: str, env=None) -> RunningJob:
+    """`kerasps launch [options] chief.py` with `chief_code` as chief.py."""
+    script = tmp_path / "chief.py"
+    script.write_text(textwrap.dedent(chief_code))
+    return RunningJob([sys.executable, "-m", "kerasps.cli", "launch", *options, str(script)],
+                      cwd=tmp_path, env=env)
+
+
+class RunningJob:
+    """A command (a launcher, or a chief) in a subprocess, its output read line by line.
+
+    Lines `[launcher] started <task> at <address> (pid N)` record each task's pids.
+    """
+
+    def __init__(self, command, cwd=None, env=None):
+        self.lines: list[str] = []
+        self.pids: dict[str, list[int]] = {}  # task -> pids, oldest first
+        self._queue: queue.Queue = queue.Queue()
+        self.process = subprocess.Popen(
+            command, cwd=cwd, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            line = line.rstrip("\n")
+            started = STARTED.search(line)
+            if started:
+                self.pids.setdefault(started.group(1), []).append(int(started.group(2)))
+            self.lines.append(line)
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, pattern: str, timeout: float = DEADLINE) -> re.Match:
+        """Blocks until a line matches `pattern`; fails with the output so far."""
+        regex = re.compile(pattern)
+        for line in self.lines:
+            if regex.search(line):
+                return regex.search(line)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line matched {pattern!r} in {timeout}s:\n"
+                                     + self.output()) from None
+            if line is None:
+                raise AssertionError(f"the job ended before a line matched {pattern!r}:\n"
+                                     + self.output())
+            if regex.search(line):
+                return regex.search(line)
+
+    def pid(self, task: str) -> int:
+        """The current pid of `task` (e.g. "worker 1")."""
+        self.wait_for(rf"\[launcher\] started {task} ")
+        return self.pids[task][-1]
+
+    def kill(self, task: str, signum=signal.SIGKILL) -> int:
+        pid = self.pid(task)
+        os.kill(pid, signum)
+        return pid
+
+    def finish(self, timeout: float = DEADLINE) -> int:
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise AssertionError("the job did not end:\n" + self.output()) from None
+        self._reader.join(timeout=30)
+        return code
+
+    def output(self) -> str:
+        return "\n".join(self.lines[-200:])
+
+    def close(self):
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def process_gone(pid: int) -> bool:
+    """True if `pid` no longer runs (absent, or a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_until(predicate, timeout: float = 60.0, interval: float = 0.05) -> bool:
+    """Polls `predicate` until true or `timeout`; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return predicate()
+        time.sleep(interval)
+    return True

@@ -1,0 +1,249 @@
+"""Fault tolerance with real processes: `kerasps launch`, its restart agent, and
+worker failures inside `fit`, `evaluate` and custom loops (SIGKILL, as a machine
+loss would)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import portpicker
+import pytest
+
+from tests.launched import RunningJob, launch, process_gone, wait_until
+
+pytestmark = pytest.mark.slow
+
+# A chief that trains 6 x 50 steps, then evaluates 120 batches, then runs a custom
+# loop of 120 steps, printing progress so that the test can kill workers mid-call.
+TRAINING_CHIEF = """
+    import itertools
+    import keras, tensorflow as tf, kerasps
+
+    strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config())
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.01), "mse", metrics=["mae"])
+
+    def dataset_fn(context):
+        x = tf.random.stateless_uniform((256, 4), [1, context.input_pipeline_id])
+        y = tf.reduce_sum(x, axis=1, keepdims=True)
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)
+
+    def say(*words):
+        print(*words, flush=True)
+
+    trained = itertools.count(1)
+    progress = keras.callbacks.LambdaCallback(  # "train batch N": N steps done in this fit
+        on_train_batch_end=lambda batch, logs: say("train batch", next(trained)),
+        on_test_batch_end=lambda batch, logs: say("eval batch", batch))
+    history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=6, steps_per_epoch=50,
+                        verbose=0, callbacks=[progress])
+    say("iterations", int(model.optimizer.iterations.numpy()))
+    say("reexecuted", sum(history.history["reexecuted_steps"]))
+
+    say("evaluate started")
+    logs = model.evaluate(kerasps.DatasetCreator(dataset_fn), steps=120, verbose=0,
+                          callbacks=[progress], return_dict=True)
+    say("evaluated", sorted(logs))
+
+    coordinator = kerasps.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    with strategy.scope():
+        steps = keras.Variable(0, dtype="int64", trainable=False)
+
+    @tf.function
+    def step(iterator):
+        x, y = next(iterator)
+        steps.assign_add(1)
+        return tf.reduce_mean(model(x))
+
+    say("custom loop started")
+    results = []
+    for i in range(120):
+        results.append(coordinator.schedule(step, args=(iterator,)))
+        if i % 10 == 9:
+            say("custom step", i)
+    coordinator.join()
+    values = [r.fetch() for r in results]
+    say("custom loop", len(values), "steps run", int(steps.numpy()))
+"""
+
+
+def test_worker_killed_mid_fit_evaluate_and_custom_loop_is_restarted_and_calls_finish(tmp_path):
+    job = launch(tmp_path, TRAINING_CHIEF, "--workers", "2", "--ps", "1", "--max-restarts", "3")
+    try:
+        job.wait_for(r"\[chief 0\] train batch 80$")
+        job.kill("worker 1")
+        job.wait_for(r"\[launcher\] worker 1 exited with signal 9 \(SIGKILL\); restart 1 of 3")
+        iterations = int(job.wait_for(r"\[chief 0\] iterations (\d+)").group(1))
+        reexecuted = int(job.wait_for(r"\[chief 0\] reexecuted (\d+)").group(1))
+        # Every requested step ran; steps that ran twice are counted, not hidden.
+        assert iterations == 300 + reexecuted
+
+        job.wait_for(r"\[chief 0\] eval batch 20$")
+        job.kill("worker 0")
+        job.wait_for(r"\[chief 0\] evaluated \['loss', 'mae'\]")
+
+        job.wait_for(r"\[chief 0\] custom step 29$")
+        job.kill("worker 1")
+        done = job.wait_for(r"\[chief 0\] custom loop (\d+) steps run (\d+)")
+        assert int(done.group(1)) == 120 and int(done.group(2)) >= 120
+        assert job.finish() == 0, job.output()
+        assert len(job.pids["worker 1"]) == 3 and len(job.pids["worker 0"]) == 2
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize("back_after", [None, 3.0], ids=["gone_for_good", "back_after_3s"])
+def test_worker_killed_mid_fit_without_an_agent(tmp_path, back_after):
+    """Two `kerasps serve` workers and a ps; worker 1 is killed and, like a pod that
+    Kubernetes restarts, comes back on its address `back_after` seconds later (or never)."""
+    cluster = {kind: [f"localhost:{portpicker.pick_unused_port()}" for _ in range(n)]
+               for kind, n in (("chief", 1), ("worker", 2), ("ps", 1))}
+
+    def config(kind, index):
+        return {"TF_CONFIG": json.dumps({"cluster": cluster,
+                                         "task": {"type": kind, "index": index}})}
+
+    def serve(kind, index):
+        return subprocess.Popen(
+            [sys.executable, "-m", "kerasps.cli", "serve"],
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **config(kind, index)},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    servers = {f"{kind} {i}": serve(kind, i)
+               for kind, n in (("worker", 2), ("ps", 1)) for i in range(n)}
+    script = tmp_path / "chief.py"
+    training_only = TRAINING_CHIEF.split('    say("evaluate started")')[0]
+    script.write_text(textwrap.dedent(training_only))
+    chief = RunningJob([sys.executable, str(script)], cwd=tmp_path, env=config("chief", 0))
+    try:
+        chief.wait_for(r"^train batch 80$")
+        servers["worker 1"].kill()
+        servers["worker 1"].wait()
+        if back_after is not None:
+            chief.wait_for(r"^train batch 81$")  # the chief goes on meanwhile
+            time.sleep(back_after)  # the outage being modelled, not a synchronisation
+            servers["worker 1"] = serve("worker", 1)
+        iterations = int(chief.wait_for(r"^iterations (\d+)").group(1))
+        reexecuted = int(chief.wait_for(r"^reexecuted (\d+)").group(1))
+        assert iterations == 300 + reexecuted
+        assert chief.finish() == 0, chief.output()
+    finally:
+        chief.close()
+        for server in servers.values():
+            server.kill()
+            server.wait(30)
+
+
+def test_spent_restart_budget_ends_the_job_with_an_error_naming_the_task(tmp_path):
+    job = launch(tmp_path, TRAINING_CHIEF, "--workers", "2", "--ps", "1", "--max-restarts", "0")
+    try:
+        job.wait_for(r"\[chief 0\] train batch 30$")
+        job.kill("worker 1")
+        job.wait_for(r"\[launcher\] ending the job: worker 1 exited with signal 9 \(SIGKILL\) "
+                     r"and its restart budget is spent \(0 restarts\)")
+        job.wait_for(r"\[chief 0\] kerasps.launch.TaskFailedError: The job failed: worker 1 "
+                     r"exited with signal 9")
+        assert job.finish() == 1
+    finally:
+        job.close()
+
+
+def _port_is_free(address: str) -> bool:
+    port = int(address.rsplit(":", 1)[1])
+    with socket.socket() as s:
+        try:
+            s.bind(("localhost", port))
+        except OSError:
+            return False
+    return True
+
+
+CLUSTER_CHIEF = """
+    import json, os, sys, time
+    config = json.loads(os.environ["TF_CONFIG"])
+    print("args", sys.argv[1:], flush=True)
+    print("cluster", json.dumps(config["cluster"]), flush=True)
+    print("visible", os.environ.get("CUDA_VISIBLE_DEVICES"), flush=True)
+    if sys.argv[1:] == ["--wait"]:
+        time.sleep(600)
+"""
+
+
+def _cluster_of(job):
+    return json.loads(job.wait_for(r"\[chief 0\] cluster (.*)$").group(1))
+
+
+def test_launch_gives_each_task_its_tf_config_and_ends_every_process_with_the_chief(tmp_path):
+    script = tmp_path / "chief.py"
+    script.write_text(textwrap.dedent(CLUSTER_CHIEF))
+    job = RunningJob([sys.executable, "-m", "kerasps.cli", "launch", "--workers", "3", "--ps",
+                      "2", "--gpus-per-worker", "2", str(script), "a", "--b"], cwd=tmp_path)
+    try:
+        job.wait_for(r"\[chief 0\] args \['a', '--b'\]")
+        cluster = _cluster_of(job)
+        assert {k: len(v) for k, v in cluster.items()} == {"chief": 1, "worker": 3, "ps": 2}
+        assert all(a.startswith("localhost:") for v in cluster.values() for a in v)
+        job.wait_for(r"\[chief 0\] visible $")  # the chief gets no GPU
+        assert job.finish() == 0
+        pids = [pid for task_pids in job.pids.values() for pid in task_pids]
+        assert len(pids) == 6 and all(process_gone(pid) for pid in pids)
+        assert all(wait_until(lambda a=a: _port_is_free(a), timeout=30)
+                   for v in cluster.values() for a in v)
+    finally:
+        job.close()
+
+
+def test_gpus_are_split_between_workers():
+    from kerasps import launch as launch_lib
+
+    spec = launch_lib.LaunchSpec(program=("train.py",), workers=2, ps=1, gpus_per_worker=2)
+    cluster = launch_lib.make_cluster(spec, pick_port=iter(range(5000, 5100)).__next__)
+    env = {t.name: launch_lib._environment(spec, cluster, t, {}, "report")
+           for t in spec.tasks}
+    assert env["worker 0"]["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert env["worker 1"]["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["ps 0"]["CUDA_VISIBLE_DEVICES"] == env["chief 0"]["CUDA_VISIBLE_DEVICES"] == ""
+    assert json.loads(env["worker 1"]["TF_CONFIG"])["task"] == {"type": "worker", "index": 1}
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_ends_every_process_and_releases_the_ports(tmp_path, signum, code):
+    script = tmp_path / "chief.py"
+    script.write_text(textwrap.dedent(CLUSTER_CHIEF))
+    job = RunningJob([sys.executable, "-m", "kerasps.cli", "launch", "--workers", "2",
+                      str(script), "--wait"], cwd=tmp_path)
+    try:
+        cluster = _cluster_of(job)
+        job.wait_for(r"\[launcher\] started chief 0")
+        job.process.send_signal(signum)
+        assert job.finish() == code
+        pids = [pid for task_pids in job.pids.values() for pid in task_pids]
+        assert len(pids) == 4 and all(process_gone(pid) for pid in pids)
+        assert all(wait_until(lambda a=a: _port_is_free(a), timeout=30)
+                   for v in cluster.values() for a in v)
+    finally:
+        job.close()
+
+
+def test_launcher_killed_takes_its_tasks_with_it(tmp_path):
+    script = tmp_path / "chief.py"
+    script.write_text(textwrap.dedent(CLUSTER_CHIEF))
+    job = RunningJob([sys.executable, "-m", "kerasps.cli", "launch", "--workers", "2",
+                      str(script), "--wait"], cwd=tmp_path)
+    try:
+        _cluster_of(job)
+        job.process.kill()
+        job.finish()
+        pids = [pid for task_pids in job.pids.values() for pid in task_pids]
+        assert len(pids) == 4
+        assert wait_until(lambda: all(process_gone(pid) for pid in pids), timeout=30)
+    finally:
+        job.close()

@@ -1,0 +1,120 @@
+"""`kerasps launch` without processes: the restart policy, specs, Kubernetes manifests."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from kerasps import cluster as cluster_lib
+from kerasps import launch, manifests
+from kerasps.restarts import Action, RestartPolicy, describe_exit
+
+
+def test_a_server_is_restarted_until_its_budget_is_spent():
+    policy = RestartPolicy(max_restarts=2)
+    assert policy.decide("worker", 1, -9, restarts=0).action is Action.RESTART
+    assert policy.decide("ps", 0, 1, restarts=1).action is Action.RESTART
+    spent = policy.decide("worker", 1, -9, restarts=2)
+    assert spent.action is Action.END_JOB
+    assert spent.reason == ("worker 1 exited with signal 9 (SIGKILL) and its restart budget "
+                            "is spent (2 restarts)")
+
+
+def test_the_chiefs_exit_finishes_the_job_whatever_its_code():
+    policy = RestartPolicy(max_restarts=5)
+    assert policy.decide("chief", 0, 0, restarts=0).action is Action.FINISH
+    assert policy.decide("chief", 0, 3, restarts=0).action is Action.FINISH
+
+
+def test_exit_descriptions_name_signals_and_codes():
+    assert describe_exit(-15) == "signal 15 (SIGTERM)"
+    assert describe_exit(2) == "exit code 2"
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(max_restarts=-1), "max_restarts"), (dict(workers=0), "workers"),
+    (dict(ps=1.5), "ps"), (dict(gpus_per_worker=0), "gpus_per_worker"),
+    (dict(program=()), "program")])
+def test_bad_launch_specs_are_refused_naming_the_argument(kwargs, name):
+    arguments = {"program": ("train.py",), **kwargs}
+    with pytest.raises(ValueError, match=rf"argument `{name}`.*Received: {name}="):
+        launch.LaunchSpec(**arguments)
+
+
+def test_unknown_task_types_are_refused():
+    with pytest.raises(ValueError, match=r"argument `task_type`.*Received: task_type='evaluator'"):
+        RestartPolicy().decide("evaluator", 0, 1, 0)
+
+
+SPEC = launch.LaunchSpec(program=("train.py", "--epochs", "3"), workers=3, ps=2, max_restarts=4,
+                         gpus_per_worker=1)
+
+
+def test_tfjob_manifest_has_the_fields_the_tfjob_schema_requires():
+    job = yaml.safe_load(manifests.dump(manifests.tfjob(SPEC, "My Train_Job", "repo/img:1")))
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "TFJob"
+    assert job["metadata"]["name"] == "my-train-job"
+    assert job["spec"]["runPolicy"]["backoffLimit"] == 4
+    replicas = job["spec"]["tfReplicaSpecs"]
+    assert set(replicas) == {"Chief", "Worker", "PS"}  # TFJob's replica type names
+    assert {k: r["replicas"] for k, r in replicas.items()} == {"Chief": 1, "Worker": 3, "PS": 2}
+    for replica in replicas.values():
+        assert replica["restartPolicy"] in {"Always", "OnFailure", "Never", "ExitCode"}
+        (container,) = replica["template"]["spec"]["containers"]
+        assert container["name"] == "tensorflow"  # the operator finds the container by name
+        assert container["image"] == "repo/img:1"
+        assert container["ports"] == [{"name": "tfjob-port", "containerPort": 2222}]
+    assert replicas["Worker"]["restartPolicy"] == replicas["PS"]["restartPolicy"] == "OnFailure"
+    assert replicas["Chief"]["template"]["spec"]["containers"][0]["command"] == [
+        "python", "train.py", "--epochs", "3"]
+    assert replicas["Worker"]["template"]["spec"]["containers"][0]["command"] == [
+        "kerasps", "serve"]
+    assert replicas["Worker"]["template"]["spec"]["containers"][0]["resources"] == {
+        "limits": {"nvidia.com/gpu": 1}}
+
+
+def test_plain_kubernetes_manifest_wires_every_task_with_a_valid_tf_config():
+    objects = list(yaml.safe_load_all(manifests.dump(manifests.kubernetes(SPEC, "job", "img"))))
+    services = {o["metadata"]["name"] for o in objects if o["kind"] == "Service"}
+    workloads = [o for o in objects if o["kind"] in ("Pod", "Job")]
+    assert len(services) == len(workloads) == 6
+    for workload in workloads:
+        pod_spec = workload["spec"] if workload["kind"] == "Pod" else (
+            workload["spec"]["template"]["spec"])
+        config = manifests.tf_config_of(pod_spec["containers"][0])
+        parsed = cluster_lib.parse_tf_config(json.dumps(config))  # kerasps accepts it
+        addresses = [a for tasks in parsed["cluster"].values() for a in tasks]
+        assert {a.split(":")[0] for a in addresses} == services
+        own = f"job-{parsed['task_type']}-{parsed['task_index']}"
+        assert workload["metadata"]["name"] == own
+        assert pod_spec["restartPolicy"] == ("Never" if workload["kind"] == "Job" else "Always")
+
+
+def test_emit_writes_both_manifests_and_runs_nothing(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "kerasps.cli", "launch", "--emit", "k8s", "--image", "img",
+         "--workers", "2", "--output-dir", str(tmp_path), "my_train.py", "--lr", "0.1"],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-train.k8s.yaml",
+                                                         "my-train.tfjob.yaml"]
+    job = yaml.safe_load((tmp_path / "my-train.tfjob.yaml").read_text())
+    assert job["spec"]["tfReplicaSpecs"]["Worker"]["replicas"] == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["launch"], "the chief's script is required"),
+    (["launch", "--emit", "k8s", "train.py"], "--image is required"),
+])
+def test_launch_command_line_errors(argv, message):
+    result = subprocess.run([sys.executable, "-m", "kerasps.cli", *argv], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr
+
+
+def test_negative_max_restarts_is_refused_by_the_command_line():
+    result = subprocess.run([sys.executable, "-m", "kerasps.cli", "launch", "--max-restarts",
+                             "-2", "train.py"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "expected an integer >= 0, received '-2'" in result.stderr
