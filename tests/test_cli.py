@@ -35,7 +35,7 @@ def test_demo_with_greedy_placement_and_three_workers():
     (["demo", "--workers", "0"], "argument --workers: expected a positive integer, received '0'"),
     (["demo", "--epochs", "two"], "argument --epochs: expected a positive integer, received 'two'"),
     (["demo", "--placement", "random"], "argument --placement: invalid choice: 'random'"),
-    (["launch"], "invalid choice: 'launch'"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
 ])
 def test_bad_arguments_exit_2_naming_the_option(args, message):
     result = kerasps_cli(*args)
