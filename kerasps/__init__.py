@@ -30,6 +30,8 @@ _LAZY = {
     "InputContext": "kerasps.input",
     "StepTraceRecorder": "kerasps.callbacks",
     "ShardedVariable": "kerasps.variables",
+    "PsTaskFailedError": "kerasps.failures",
+    "TaskFailedError": "kerasps.launch",
     "cluster": None,
     "partitioners": None,
     "placement": None,

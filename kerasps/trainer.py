@@ -56,7 +56,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from kerasps import _keras, _tf
+from kerasps import _keras, _tf, failures
 from kerasps import input as input_lib
 from kerasps._validation import positive_int
 
@@ -377,6 +377,13 @@ class _Window:
             pass
 
 
+def _raise_ps_failure(error, method):
+    """Raises `PsTaskFailedError` from `error` if it is the loss of a ps task."""
+    ps_task = failures.failed_ps_task(type(error).__name__, str(error))
+    if ps_task is not None:
+        raise failures.PsTaskFailedError(ps_task, method) from error
+
+
 def _logs(values):
     return _keras.pythonify_logs(values) if isinstance(values, dict) else values
 
@@ -502,8 +509,9 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                 "dataset can generate at least `steps_per_epoch * epochs` batches.",
                 stacklevel=2)
             model.stop_training = True
-        except BaseException:
+        except BaseException as error:
             window.abandon()
+            _raise_ps_failure(error, "fit")
             raise
         epoch_logs = dict(_keras.metrics_result_or_logs(model, logs))
         if validation is not None and _keras.should_eval(model, epoch, validation_freq):
@@ -576,8 +584,9 @@ class _Evaluation:
                 scheduled += n
                 deliver(window.ready())
             deliver(window.drain())
-        except BaseException:
+        except BaseException as error:
             window.abandon()
+            _raise_ps_failure(error, "evaluate")
             raise
         logs = _keras.pythonify_logs(_keras.metrics_result_or_logs(model, logs))
         callbacks.on_test_end(logs)
@@ -662,8 +671,9 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
             scheduled += 1
             deliver(window.ready())
         deliver(window.drain())
-    except BaseException:
+    except BaseException as error:
         window.abandon()
+        _raise_ps_failure(error, "predict")
         raise
     callbacks.on_predict_end()
     if not batches:

@@ -247,3 +247,25 @@ def test_launcher_killed_takes_its_tasks_with_it(tmp_path):
         assert wait_until(lambda: all(process_gone(pid) for pid in pids), timeout=30)
     finally:
         job.close()
+
+
+def test_ps_killed_mid_fit_raises_an_error_naming_the_ps_task(tmp_path):
+    chief = TRAINING_CHIEF.split('    say("evaluate started")')[0].replace(
+        "    history = model.fit(", "    try:\n        history = model.fit(").replace(
+        "                        verbose=0, callbacks=[progress])",
+        "                            verbose=0, callbacks=[progress])\n"
+        "    except kerasps.PsTaskFailedError as e:\n"
+        "        say('failed', e.ps_task, str(e))\n"
+        "        raise SystemExit(3)").replace("epochs=6", "epochs=60")
+    job = launch(tmp_path, chief, "--workers", "2", "--ps", "1", "--max-restarts", "1")
+    try:
+        job.wait_for(r"\[chief 0\] train batch 80$")
+        job.kill("ps 0")
+        failed = job.wait_for(r"\[chief 0\] failed (\d+) (.*)$")
+        assert failed.group(1) == "0"
+        assert "ps task 0 (/job:ps/replica:0/task:0) became unavailable during `fit`" in (
+            failed.group(2))
+        assert "BackupAndRestore" in failed.group(2)
+        assert job.finish() == 3
+    finally:
+        job.close()
