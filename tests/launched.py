@@ -17,12 +17,12 @@ DEADLINE = 240  # seconds a job may take: generous for 2 loaded cores, never ass
 STARTED = re.compile(r"\[launcher\] started (\w+ \d+) at \S+ \(pid (\d+)\)")
 
 
-def launch(tmp_path, chief_code: str, *options: str, env=None) -> RunningJob:
-    """`kerasps launch [options] chief.py` with `chief_code` as chief.py."""
+def launch(tmp_path, chief_code: str, *options: str, args=(), env=None) -> RunningJob:
+    """`kerasps launch [options] chief.py [args]` with `chief_code` as chief.py."""
     script = tmp_path / "chief.py"
     script.write_text(textwrap.dedent(chief_code))
-    return RunningJob([sys.executable, "-m", "kerasps.cli", "launch", *options, str(script)],
-                      cwd=tmp_path, env=env)
+    return RunningJob([sys.executable, "-m", "kerasps.cli", "launch", *options, str(script),
+                       *args], cwd=tmp_path, env=env)
 
 
 class RunningJob:

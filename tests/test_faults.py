@@ -177,15 +177,21 @@ CLUSTER_CHIEF = """
 """
 
 
+def _assert_nothing_left(job, cluster, processes):
+    """Every task's process has ended and every port can be bound again."""
+    pids = [pid for task_pids in job.pids.values() for pid in task_pids]
+    assert len(pids) == processes and all(process_gone(pid) for pid in pids)
+    assert all(wait_until(lambda a=a: _port_is_free(a), timeout=30)
+               for tasks in cluster.values() for a in tasks)
+
+
 def _cluster_of(job):
     return json.loads(job.wait_for(r"\[chief 0\] cluster (.*)$").group(1))
 
 
 def test_launch_gives_each_task_its_tf_config_and_ends_every_process_with_the_chief(tmp_path):
-    script = tmp_path / "chief.py"
-    script.write_text(textwrap.dedent(CLUSTER_CHIEF))
-    job = RunningJob([sys.executable, "-m", "kerasps.cli", "launch", "--workers", "3", "--ps",
-                      "2", "--gpus-per-worker", "2", str(script), "a", "--b"], cwd=tmp_path)
+    job = launch(tmp_path, CLUSTER_CHIEF, "--workers", "3", "--ps", "2", "--gpus-per-worker",
+                 "2", args=("a", "--b"))
     try:
         job.wait_for(r"\[chief 0\] args \['a', '--b'\]")
         cluster = _cluster_of(job)
@@ -193,10 +199,7 @@ def test_launch_gives_each_task_its_tf_config_and_ends_every_process_with_the_ch
         assert all(a.startswith("localhost:") for v in cluster.values() for a in v)
         job.wait_for(r"\[chief 0\] visible $")  # the chief gets no GPU
         assert job.finish() == 0
-        pids = [pid for task_pids in job.pids.values() for pid in task_pids]
-        assert len(pids) == 6 and all(process_gone(pid) for pid in pids)
-        assert all(wait_until(lambda a=a: _port_is_free(a), timeout=30)
-                   for v in cluster.values() for a in v)
+        _assert_nothing_left(job, cluster, processes=6)
     finally:
         job.close()
 
@@ -216,28 +219,19 @@ def test_gpus_are_split_between_workers():
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_ends_every_process_and_releases_the_ports(tmp_path, signum, code):
-    script = tmp_path / "chief.py"
-    script.write_text(textwrap.dedent(CLUSTER_CHIEF))
-    job = RunningJob([sys.executable, "-m", "kerasps.cli", "launch", "--workers", "2",
-                      str(script), "--wait"], cwd=tmp_path)
+    job = launch(tmp_path, CLUSTER_CHIEF, "--workers", "2", args=("--wait",))
     try:
         cluster = _cluster_of(job)
         job.wait_for(r"\[launcher\] started chief 0")
         job.process.send_signal(signum)
         assert job.finish() == code
-        pids = [pid for task_pids in job.pids.values() for pid in task_pids]
-        assert len(pids) == 4 and all(process_gone(pid) for pid in pids)
-        assert all(wait_until(lambda a=a: _port_is_free(a), timeout=30)
-                   for v in cluster.values() for a in v)
+        _assert_nothing_left(job, cluster, processes=4)
     finally:
         job.close()
 
 
 def test_launcher_killed_takes_its_tasks_with_it(tmp_path):
-    script = tmp_path / "chief.py"
-    script.write_text(textwrap.dedent(CLUSTER_CHIEF))
-    job = RunningJob([sys.executable, "-m", "kerasps.cli", "launch", "--workers", "2",
-                      str(script), "--wait"], cwd=tmp_path)
+    job = launch(tmp_path, CLUSTER_CHIEF, "--workers", "2", args=("--wait",))
     try:
         _cluster_of(job)
         job.process.kill()
