@@ -154,7 +154,6 @@ class _Process:
         self.task = task
         self.popen: subprocess.Popen | None = None
         self.restarts = 0
-        self.state = restarts_lib.TaskState.RUNNING
         self.pump: threading.Thread | None = None
 
 
@@ -203,7 +202,6 @@ class Launcher:
             _command(self.spec, task), env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=_die_with_launcher)
-        process.state = restarts_lib.TaskState.RUNNING
         process.pump = threading.Thread(target=self._pump, args=(process, process.popen.stdout),
                                         name=f"kerasps-launch-{task.type}-{task.index}",
                                         daemon=True)
@@ -250,16 +248,12 @@ class Launcher:
                 if decision.action is restarts_lib.Action.RESTART:
                     self._say(decision.reason)
                     process.restarts += 1
-                    process.state = restarts_lib.TaskState.RESTARTING
                     process.pump.join()
                     self._start(process)
                 elif decision.action is restarts_lib.Action.FINISH:
-                    process.state = (restarts_lib.TaskState.SUCCEEDED if code == 0
-                                     else restarts_lib.TaskState.FAILED)
                     self._say(decision.reason)
                     return code if code >= 0 else 128 - code
                 else:
-                    process.state = restarts_lib.TaskState.FAILED
                     self._say(f"ending the job: {decision.reason}")
                     self._fail_chief(decision.reason)
                     return 1
@@ -282,7 +276,6 @@ class Launcher:
         """SIGTERM to every remaining process group, SIGKILL after the grace period."""
         alive = [p for p in self._processes.values() if p.popen and p.popen.poll() is None]
         for process in alive:
-            process.state = restarts_lib.TaskState.STOPPED
             _signal_group(process.popen, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_PERIOD
         for process in alive:
@@ -296,11 +289,6 @@ class Launcher:
                 _signal_group(process.popen, signal.SIGKILL)  # leftovers of the task's group
             if process.pump is not None:
                 process.pump.join(timeout=GRACE_PERIOD)
-
-    @property
-    def restarts(self) -> dict:
-        """`{task name: restarts so far}`."""
-        return {p.task.name: p.restarts for p in self._processes.values()}
 
 
 def _signal_group(popen: subprocess.Popen, signum):

@@ -14,21 +14,11 @@ import enum
 
 from kerasps._validation import positive_int
 
-__all__ = ["Action", "Decision", "RestartPolicy", "TaskState", "describe_exit"]
+__all__ = ["Action", "Decision", "RestartPolicy", "describe_exit"]
 
 # Task types whose processes are servers (restartable) and the one running the program.
 SERVER_TYPES = ("worker", "ps")
 PROGRAM_TYPE = "chief"
-
-
-class TaskState(enum.Enum):
-    """Where one task's process is in its life."""
-
-    RUNNING = "running"
-    RESTARTING = "restarting"
-    SUCCEEDED = "succeeded"  # the chief's program returned 0
-    FAILED = "failed"  # exited and will not be restarted
-    STOPPED = "stopped"  # ended by the launcher (the job is over)
 
 
 class Action(enum.Enum):
