@@ -9,7 +9,10 @@ from tensorflow.python.distribute import input_lib, input_util
 from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
 from tensorflow.python.distribute.coordinator import cluster_coordinator
 from tensorflow.python.distribute.coordinator import values as coordinator_values
+from tensorflow.python.eager import context
+from tensorflow.python.framework import errors as tf_errors
 from tensorflow.python.framework import ops as tf_ops
+from tensorflow.python.ops import resource_variable_ops
 
 ParameterServerStrategyV2 = pss_v2.ParameterServerStrategyV2
 ParameterServerStrategyV2Extended = pss_v2.ParameterServerStrategyV2Extended
@@ -137,3 +140,79 @@ def observe_closures(observer):
 def no_colocation():
     """Clears any colocation scope (TF's own variable creator does the same)."""
     return tf_ops.colocate_with(None, ignore_existing=True)
+
+
+# -- a restarted ps task ---------------------------------------------------------------
+def ps_task_alive(ps_task: int) -> bool:
+    """True if the ps task answers (a restarted one included)."""
+    try:
+        return bool(context.context().check_alive(f"/job:ps/replica:0/task:{ps_task}"))
+    except Exception:  # noqa: BLE001 - unreachable counts as not alive
+        return False
+
+
+def reconnect_cluster():
+    """Re-establishes the coordinator's eager context with every task.
+
+    A task that restarted on its address knows nothing of the coordinator's
+    context; this is what TensorFlow's coordinator does after a worker comes
+    back (`WorkerPreemptionHandler`), applied to a ps task.
+    """
+    context.context().update_server_def(context.get_server_def())
+
+
+def resource_variable(variable):
+    """The `tf.Variable` under a Keras variable and TF's PSS wrappers, or `None`."""
+    value = getattr(variable, "_value", variable)
+    while value is not None and not type(value).__name__ == "ResourceVariable":
+        value = getattr(value, "_v", None) if hasattr(value, "_v") else getattr(
+            value, "_variable", None)
+    return value
+
+
+def holds_state(variable) -> bool:
+    """True if reading `variable` works: its ps task still holds it."""
+    try:
+        resource_variable(variable).read_value().numpy()
+        return True
+    except tf_errors.OpError:
+        return False
+
+
+def renew_variable(variable):
+    """Gives a `tf.Variable` whose ps task restarted a new, uninitialized resource there.
+
+    The Python objects (the Keras variable, TF's wrappers, optimizer slot maps,
+    checkpoint dependencies) stay the same; only the resource handle changes,
+    so functions traced before must be traced again. The caller assigns a
+    value (restoring a backup does).
+    """
+    resource = resource_variable(variable)
+    with tf_ops.device(resource.device):
+        handle = resource_variable_ops._variable_handle_from_shape_and_dtype(
+            resource.shape, resource.dtype, None, resource._handle_name[:-2], False)
+    handle._parent_trackable = weakref.ref(resource)
+    handle._name = resource._handle_name
+    handle._unique_id = resource._unique_id
+    resource._handle = handle
+    resource._cached_value = None
+
+
+_COORDINATOR_THREADS = ("WorkerClosureProcessingLoop-", "WorkerPreemptionHandler")
+
+
+def coordinator_threads():
+    """The live threads TensorFlow's `ClusterCoordinator` started."""
+    import threading
+
+    return [t for t in threading.enumerate() if t.name.startswith(_COORDINATOR_THREADS)]
+
+
+def stop_coordinator(tf_coordinator, strategy):
+    """Stops a TF `ClusterCoordinator`'s threads and detaches it from its strategy.
+
+    Its worker threads end once their current function returns; the closure
+    queue's watchdog and the failure handler stop at once.
+    """
+    tf_coordinator._cluster.stop()
+    strategy._cluster_coordinator = None

@@ -109,6 +109,28 @@ class ClusterCoordinator:
         """Blocks for and returns the result of a `RemoteValue` (or a nest of them)."""
         return self._tf_coordinator.fetch(value)
 
+    def shutdown(self, timeout: float = 60.0):
+        """Stops the coordinator: its worker and failure-handling threads end.
+
+        Functions still queued are cancelled. `ClusterCoordinator(strategy)`
+        afterwards makes a new coordinator (`fit` does so by itself).
+
+        Args:
+            timeout: seconds to wait for the threads to end.
+
+        Raises:
+            RuntimeError: threads still run after `timeout` (named in the message).
+        """
+        _tf.stop_coordinator(self._tf_coordinator, self._strategy)
+        if getattr(self._strategy, "_kerasps_coordinator", None) is self:
+            self._strategy._kerasps_coordinator = None
+        deadline = time.monotonic() + timeout
+        for thread in _tf.coordinator_threads():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in _tf.coordinator_threads()]
+        if alive:
+            raise RuntimeError(f"Coordinator threads still running after {timeout} s: {alive}")
+
     def create_per_worker_dataset(self, dataset_fn) -> input_lib.PerWorkerDataset:
         """Builds one input pipeline per worker.
 

@@ -4,7 +4,9 @@ Users and items are ids drawn with a long tail (a few are popular, most are
 rare, as in real logs). Some users click on anything and some items are clicked
 by everyone; which ones is hidden in the ids, so the model can only learn it
 through its embeddings.
-The user table is large enough to be sharded over the ps tasks.
+The user table is large enough to be sharded over the ps tasks, and Adam
+updates it lazily (`sparse_updates="lazy"`): each step moves only the rows of
+the batch and their slots, so a step costs the same whatever the table's size.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def run(config: DemoConfig = DemoConfig(), print_fn=print) -> dict:
         variable_partitioner=kerasps.partitioners.MinSizePartitioner(
             min_shard_bytes=256 << 10, max_shards=config.ps),
         placement=config.placement,
+        sparse_updates="lazy",
     )
     with strategy.scope():
         model = build_model()

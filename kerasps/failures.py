@@ -1,36 +1,103 @@
-"""Which task an error from the cluster blames: pure Python, shared with the simulator.
+"""What a failure in the cluster means for a running call: pure Python, shared with the
+simulator.
 
 TensorFlow reports a lost task as an `UnavailableError` whose message names
 the remote device (`/job:ps/replica:0/task:1/device:CPU:0`). A lost worker
-is TensorFlow's to handle (it runs the function again elsewhere); a lost ps
-task takes its variables with it, so `fit`, `evaluate` and `predict` end
-with `PsTaskFailedError` naming the task instead of a gRPC message.
+is TensorFlow's to handle (it runs the function again elsewhere). A lost ps
+task takes its variables with it: `fit` with a
+`keras.callbacks.BackupAndRestore` among its callbacks restores every
+variable from the latest backup once the task is back and goes on from the
+step the backup was written at; without one, and in `evaluate` and
+`predict`, the call ends with `PsTaskFailedError` naming the task.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import re
 
-__all__ = ["PsTaskFailedError", "failed_ps_task"]
+__all__ = ["PsTaskFailedError", "Progress", "Recovery", "decide", "failed_ps_task",
+           "steps_rolled_back"]
 
 _PS_DEVICE = re.compile(r"/job:ps/replica:\d+/task:(\d+)")
 
+_HOW_TO_RECOVER = {
+    "fit": ("Add `keras.callbacks.BackupAndRestore(backup_dir, save_freq=N)` to the callbacks "
+            "of `fit`: kerasps then restores every variable and the optimizer state from the "
+            "latest backup once the task is back (a launcher or Kubernetes restarts it) and "
+            "continues the same `fit` call."),
+    "evaluate": "`evaluate` does not recover: restore the model from a checkpoint and call it "
+                "again.",
+    "predict": "`predict` does not recover: restore the model from a checkpoint and call it "
+               "again.",
+}
+
 
 class PsTaskFailedError(RuntimeError):
-    """A ps task was lost during `fit`, `evaluate` or `predict`; its variables with it.
+    """A ps task was lost during `fit`, `evaluate` or `predict`, its variables with it.
 
     Attributes:
         ps_task: the index of the ps task.
     """
 
-    def __init__(self, ps_task: int, method: str):
+    def __init__(self, ps_task: int, method: str, reason: str | None = None):
         self.ps_task = ps_task
+        reason = reason or _HOW_TO_RECOVER.get(method, _HOW_TO_RECOVER["fit"])
         super().__init__(
             f"ps task {ps_task} (/job:ps/replica:0/task:{ps_task}) became unavailable during "
-            f"`{method}`, and the variables it held are lost. kerasps does not yet restore "
-            "them inside a running call: run the training program again. With "
-            "`keras.callbacks.BackupAndRestore(backup_dir)` among the callbacks, `fit` "
-            "resumes from the last backup instead of the start.")
+            f"`{method}`, and the variables it held are lost. {reason}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """How far a `fit` call was when a backup was written.
+
+    Attributes:
+        epoch: the epoch (0-based) the next step belongs to.
+        step: the steps of `epoch` whose results had reached the coordinator.
+    """
+
+    epoch: int
+    step: int
+
+
+class Recovery(enum.Enum):
+    """What a running `fit` does about ps tasks that lost their variables."""
+
+    RESTORE = "restore"  # wait for the tasks, restore the latest backup, go on from there
+    RAISE = "raise"  # no backup to restore: end the call with `PsTaskFailedError`
+
+
+def decide(lost_ps_tasks, has_backup: bool) -> Recovery | None:
+    """The recovery of a call after an error; `None` if no ps task lost its state.
+
+    Args:
+        lost_ps_tasks: the ps tasks whose variables can no longer be read.
+        has_backup: whether the call backs up its state (`BackupAndRestore`).
+    """
+    if not lost_ps_tasks:
+        return None
+    return Recovery.RESTORE if has_backup else Recovery.RAISE
+
+
+def steps_rolled_back(backup: Progress, epoch: int, finished: int) -> int:
+    """The steps of `epoch` to run again after restoring `backup`.
+
+    Args:
+        backup: where the restored backup was written.
+        epoch: the epoch running when the state was lost.
+        finished: the steps of `epoch` whose results had reached the coordinator.
+
+    Raises:
+        RuntimeError: the backup is not from this epoch (or is ahead of it), so
+            going on from it would not give the requested steps exactly.
+    """
+    if backup.epoch != epoch or backup.step > finished:
+        raise RuntimeError(
+            f"Cannot go on from the latest backup: it was written at epoch {backup.epoch + 1} "
+            f"step {backup.step}, but training was at epoch {epoch + 1} step {finished}.")
+    return finished - backup.step
 
 
 def failed_ps_task(error_type: str, message: str) -> int | None:

@@ -34,6 +34,7 @@ __all__ = [
     "PlacementReport",
     "get_placer",
     "plan",
+    "shard_count",
 ]
 
 
@@ -150,7 +151,8 @@ class ShardRecord:
 
 
 class PlacementReport(tuple):
-    """A tuple of `ShardRecord`s that prints as a table.
+    """A tuple of `ShardRecord`s that prints as a table, with the bytes per ps
+    task and their `imbalance`.
 
     `num_ps`, when known, makes idle ps tasks show up in `bytes_per_ps()`.
     """
@@ -168,6 +170,17 @@ class PlacementReport(tuple):
             loads[r.ps_task] += r.bytes
         return loads
 
+    @property
+    def imbalance(self) -> float:
+        """Bytes on the busiest ps task over the mean bytes per ps task.
+
+        1.0 is a perfect balance (also for an empty report); `num_ps` is the
+        worst.
+        """
+        loads = self.bytes_per_ps()
+        total = sum(loads)
+        return max(loads) * len(loads) / total if total else 1.0
+
     def to_dicts(self) -> list[dict]:
         return [dataclasses.asdict(r) for r in self]
 
@@ -184,11 +197,42 @@ class PlacementReport(tuple):
             if k == 0:
                 lines.append("  ".join("-" * w for w in widths))
         loads = self.bytes_per_ps()
-        lines.append("bytes per ps task: " + ", ".join(f"ps{i}={b:,}" for i, b in enumerate(loads)))
+        lines.append("bytes per ps task: " + ", ".join(f"ps{i}={b:,}" for i, b in enumerate(loads))
+                     + f"; imbalance (max/mean): {self.imbalance:.2f}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         return f"PlacementReport({len(self)} shards)"
+
+
+def shard_count(partitions, shape: Sequence[int], name: str) -> int:
+    """The number of shards a partitioner's answer asks for, checked.
+
+    Args:
+        partitions: what the partitioner returned for variable `name`:
+            TensorFlow's format, `[k, 1, ...]` with one entry per axis, `k >= 1`
+            shards along axis 0 (the only axis kerasps splits).
+        shape: the variable's shape.
+        name: the variable's name, for the error message.
+
+    Returns:
+        `k`, capped at the number of rows.
+
+    Raises:
+        ValueError: naming the variable and the value, if `partitions` is not
+            of that form.
+    """
+    shape = tuple(int(d) for d in shape)
+    values = list(partitions) if isinstance(partitions, (list, tuple)) else None
+    if not (values is not None and len(values) == len(shape) and all(
+            isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in values)
+            and values[0] >= 1 and all(p == 1 for p in values[1:])):
+        raise ValueError(
+            f"Invalid value returned by `variable_partitioner` for variable {name!r} of "
+            f"shape {shape}: expected a list of {len(shape)} integers [k, 1, ...], the "
+            "number of shards k >= 1 along axis 0 and 1 for every other axis. "
+            f"Received: {partitions!r}")
+    return min(int(values[0]), shape[0])
 
 
 def _dtype_name(dtype) -> str:
@@ -218,7 +262,7 @@ def plan(
         shape = tuple(int(d) for d in shape)
         n = 1
         if partitioner is not None and shape:
-            n = max(1, min(int(partitioner(shape, dtype)[0]), shape[0]))
+            n = shard_count(partitioner(shape, dtype), shape, name)
         itemsize = partitioners_lib.element_bytes(dtype)
         rows = partitioners_lib.shard_sizes(shape[0], n) if shape else [None]
         for i, num_rows in enumerate(rows):

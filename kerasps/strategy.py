@@ -23,6 +23,7 @@ import tensorflow as tf
 from kerasps import _keras, _tf
 from kerasps import input as input_lib
 from kerasps import placement as placement_lib
+from kerasps import sparse as sparse_lib
 from kerasps import variables as variables_lib
 
 __all__ = ["ParameterServerStrategy"]
@@ -68,18 +69,12 @@ class _Extended(_tf.ParameterServerStrategyV2Extended):
     def variable_partitioner(self):
         return self._variable_partitioner
 
-    def num_shards(self, shape, dtype) -> int:
-        """Number of shards the partitioner gives a variable (1 if none)."""
+    def num_shards(self, shape, dtype, name) -> int:
+        """Number of shards the partitioner gives variable `name` (1 if none)."""
         if self._variable_partitioner is None or not shape:
             return 1
         partitions = self._variable_partitioner(tf.TensorShape(shape), tf.as_dtype(dtype))
-        if not partitions or partitions[0] < 1 or any(p != 1 for p in partitions[1:]):
-            raise ValueError(
-                "Invalid value returned by `variable_partitioner`: expected a list "
-                "whose first element is a positive shard count and whose other "
-                f"elements are 1. Received: {partitions!r} for shape={tuple(shape)}"
-            )
-        return min(int(partitions[0]), int(shape[0]))
+        return placement_lib.shard_count(partitions, shape, name)
 
     def _record(self, var, ps_task, kwargs):
         name, shard = variables_lib.current_creation()
@@ -177,12 +172,26 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         placement: `"round_robin"` (default), `"greedy"` (the ps task holding
             the fewest bytes so far) or a callable
             `(name, shape, dtype, num_ps) -> ps index`.
+        sparse_updates: how optimizers update the shards of sharded tables
+            (embeddings) from the rows a batch looks up. `"exact"` (default):
+            only the batch's rows of the table and of its slots are updated
+            where that is exactly Keras' dense update (`SGD` without momentum,
+            `Adagrad`, `Ftrl`); other optimizers update every row, as in
+            Keras. `"lazy"`: `Adam`, `AdamW`, `RMSprop` and `SGD` with momentum
+            also update the batch's rows only, and the slots of other rows keep
+            their values (TF1's `LazyAdamOptimizer`). A strategy argument, not
+            an optimizer wrapper, because it concerns the tables the strategy
+            shards: models compiled with an optimizer's name get it, and the
+            optimizer, its config and its saved slots stay plain Keras. See
+            `kerasps.sparse`.
     """
 
     _is_kerasps = True
 
-    def __init__(self, cluster_resolver, variable_partitioner=None, placement="round_robin"):
+    def __init__(self, cluster_resolver, variable_partitioner=None, placement="round_robin",
+                 sparse_updates="exact"):
         _validate_resolver(cluster_resolver)
+        self._sparse_updates = sparse_lib.validate_mode(sparse_updates)
         variable_partitioner = _validate_partitioner(variable_partitioner)
         num_ps = len(cluster_resolver.cluster_spec().as_dict()["ps"])
         placement_lib.get_placer(placement, num_ps)  # validate before connecting
@@ -227,13 +236,19 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
     def variable_partitioner(self):
         return self._extended.variable_partitioner
 
+    @property
+    def sparse_updates(self) -> str:
+        """`"exact"` or `"lazy"`: how sharded tables are updated (see `__init__`)."""
+        return self._sparse_updates
+
     def placement_report(self) -> placement_lib.PlacementReport:
         """Where every variable and shard created under `scope()` lives.
 
         Returns:
             A `kerasps.placement.PlacementReport`: a tuple of `ShardRecord`s
             (fields `name`, `variable`, `shard`, `shape`, `dtype`, `bytes`,
-            `ps_task`) that prints as a table with the bytes per ps task.
+            `ps_task`) that prints as a table with the bytes per ps task and
+            their `imbalance` (max/mean bytes per ps task, 1.0 when even).
         """
         with self._extended._records_lock:
             return placement_lib.PlacementReport(self._extended._records, num_ps=self.num_ps)
@@ -243,4 +258,15 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         from kerasps.coordinator import ClusterCoordinator
 
         return ClusterCoordinator(self)
+
+    def shutdown(self, timeout: float = 60.0):
+        """Stops the strategy's coordinator, if it has one, and waits for its threads.
+
+        After it, no kerasps or TensorFlow coordinator thread remains; the
+        strategy's variables stay usable, and a later `fit` or
+        `ClusterCoordinator(strategy)` starts a new coordinator.
+        """
+        coordinator = getattr(self, "_kerasps_coordinator", None)
+        if coordinator is not None:
+            coordinator.shutdown(timeout)
 

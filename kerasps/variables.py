@@ -11,6 +11,10 @@ ps task chosen by the placement policy.
   `tape.gradient(loss, model.trainable_variables)` and Keras optimizers work
   on real variables (slots are created per shard, on the shard's ps task).
   `tf_keras` behaved the same way with TF's `ShardedVariable`.
+* Saved state is whole: the slots of a variable's shards make a
+  `ShardedVariable` too (`track_slot`), and weights files, checkpoints and
+  `get_weights()` see whole variables (`logical_variables`), so they move
+  between any numbers of shards and single-process Keras.
 * `ops.take(variable, ids, axis=0)` (what `keras.layers.Embedding` calls)
   gathers on each shard's ps task and moves only the rows a batch touches.
 """
@@ -18,6 +22,7 @@ ps task chosen by the placement policy.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import threading
 
@@ -110,7 +115,8 @@ def sharded_class_for(args, kwargs):
     if shape is None or len(tuple(shape)) == 0:
         return None
     dtype = dtype or keras.config.floatx()
-    num_shards = strategy.extended.num_shards(tuple(shape), dtype)
+    num_shards = strategy.extended.num_shards(
+        tuple(shape), dtype, _keras.variable_path(arguments.get("name") or "variable"))
     return ShardedVariable if num_shards > 1 else None
 
 
@@ -171,11 +177,13 @@ class ShardedVariable(_keras.KerasTFVariable):
 
     # -- creation -------------------------------------------------------------
     def _initialize_with_initializer(self, initializer):
+        if isinstance(initializer, _ExistingShards):
+            return self._adopt(initializer.shards)
         strategy = kerasps_strategy()
-        num_shards = strategy.extended.num_shards(self._shape, self._dtype)
+        num_shards = strategy.extended.num_shards(self._shape, self._dtype, self.path)
         sizes = partitioners_lib.shard_sizes(self._shape[0], num_shards)
         offsets = partitioners_lib.shard_offsets(self._shape[0], num_shards)
-        full_value = None
+        full_value, shards = None, []
         if not _is_elementwise(initializer):
             # Shape-dependent initializers (e.g. Glorot) need the full shape's
             # statistics: build the value once and slice it.
@@ -195,11 +203,32 @@ class ShardedVariable(_keras.KerasTFVariable):
                     **self._init_kwargs,
                 )
             shard._path = f"{self.path}/part_{i}"
+            shards.append(shard)
+        self._adopt(shards)
+
+    def _adopt(self, shards):
+        """Makes `shards` (variables with the same trailing dims) this variable's rows."""
+        for shard in shards:
             shard._kerasps_container = self
-            self._shards.append(shard)
-        self._offsets = offsets
-        self._sizes = sizes
+        self._shards = list(shards)
+        self._sizes = [int(shard.shape[0]) for shard in shards]
+        self._offsets = [0, *itertools.accumulate(self._sizes)][:-1]
         self._value = None
+
+    @classmethod
+    def of_shards(cls, shards, name, path):
+        """A `ShardedVariable` whose shards are existing variables (optimizer slots).
+
+        Args:
+            shards: Keras variables, in row order, each on its own ps task.
+            name: the whole variable's name.
+            path: the whole variable's path.
+        """
+        shape = (sum(int(s.shape[0]) for s in shards),) + tuple(shards[0].shape[1:])
+        variable = cls(_ExistingShards(shards), shape=shape, dtype=shards[0].dtype,
+                       trainable=shards[0].trainable, name=name)
+        variable._path = path
+        return variable
 
     def _initialize(self, value):
         # Reached when restoring from an explicit value: split it.
@@ -285,19 +314,37 @@ class ShardedVariable(_keras.KerasTFVariable):
 
         Equivalent to `ops.take(self, ids, axis=0)` but moves only the rows
         touched instead of the whole table. Negative ids count from the end.
+        Each distinct row is gathered once, and its gradient reaches its
+        shard once, summed over the batch: every shard gets a row update
+        (`tf.IndexedSlices`) that `kerasps.sparse` applies to those rows only.
         """
         ids = tf.convert_to_tensor(ids)
         if not ids.dtype.is_integer:
             ids = tf.cast(ids, "int64")
         ids = tf.where(ids < 0, ids + tf.cast(self._shape[0], ids.dtype), ids)
+        unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
         params = [shard.value for shard in self._shards]
-        result = tf.nn.embedding_lookup(params, ids)
+        rows = tf.nn.embedding_lookup(params, unique_ids)
+        result = _expand_rows(rows, tf.reshape(positions, tf.shape(ids)))
+        result.set_shape(ids.shape.concatenate(self._shape[1:]))
         return result
 
     # -- writing --------------------------------------------------------------
     def _split(self, value):
         value = tf.convert_to_tensor(value, dtype=self._dtype)
-        value = tf.ensure_shape(value, self._shape)  # restored tensors come without a shape
+        check_shape(self, value.shape)
+        if not value.shape.is_fully_defined():
+            # A tensor restored inside a function has no static shape: check it
+            # when the function runs, before any shard is written.
+            shape = tf.shape(value)
+            check = tf.debugging.Assert(
+                tf.equal(tf.strings.format("{}", [shape]),
+                         tf.strings.format("{}", [tf.constant(self._shape, shape.dtype)])),
+                [tf.strings.format(f"Cannot restore variable '{self.path}' of shape "
+                                   f"{self._shape} from a value of shape {{}}", [shape])])
+            with tf.control_dependencies([check]):
+                value = tf.identity(value)
+            value.set_shape(self._shape)
         return tf.split(value, self._sizes, axis=0)
 
     def _per_shard(self, method, value):
@@ -336,6 +383,66 @@ class ShardedVariable(_keras.KerasTFVariable):
     def __repr__(self):
         return (f"<kerasps.ShardedVariable path={self.path}, shape={self.shape}, "
                 f"dtype={self.dtype}, shards={self.num_shards}>")
+
+
+def check_shape(variable, shape):
+    """Raises unless a value of `shape` can be assigned to `variable`, naming both shapes."""
+    if not tf.TensorShape(shape).is_compatible_with(tuple(variable.shape)):
+        raise ValueError(
+            "The shape of the target variable and the shape of the target value in "
+            f"`variable.assign(value)` must match. variable.shape={tuple(variable.shape)}, "
+            f"Received: value.shape={tuple(shape)}. Target variable: {variable.path}")
+
+
+class _ExistingShards:
+    """The "initializer" of `ShardedVariable.of_shards`: the shards exist already."""
+
+    def __init__(self, shards):
+        self.shards = shards
+
+    def __call__(self, shape, dtype=None):
+        raise TypeError("Existing shards are adopted, not initialized.")
+
+
+def track_slot(optimizer, reference, slot):
+    """Records that `optimizer` made `slot` for `reference`, a variable or a shard.
+
+    Slots of shards sit next to their shard. Once every shard of a
+    `ShardedVariable` has its slot of one kind (Adam's `momentum`, ...), the
+    slots become the shards of a `ShardedVariable` too, so that the slot is
+    saved whole, like the variable (see `logical_variables`).
+    """
+    container = getattr(reference, "_kerasps_container", None)
+    if container is None:
+        return
+    shard_prefix = reference.path.replace("/", "_")
+    suffix = slot.name[len(shard_prefix):] if slot.name.startswith(shard_prefix) else slot.name
+    pending = container.__dict__.setdefault("_kerasps_pending_slots", {})
+    slots = pending.setdefault((id(optimizer), suffix), [None] * container.num_shards)
+    slots[next(i for i, s in enumerate(container.shards) if s is reference)] = slot
+    if any(s is None for s in slots):
+        return
+    del pending[(id(optimizer), suffix)]
+    name = container.path.replace("/", "_") + suffix
+    ShardedVariable.of_shards(slots, name=name, path=slot.path[:-len(slot.name)] + name)
+
+
+def _expand_rows(rows, positions):
+    """`tf.gather(rows, positions)` whose gradient sums per row (dense, one per row).
+
+    `tf.gather`'s own gradient repeats a row for each of its positions, and
+    densifying it later warns about memory; summing here keeps the shards'
+    gradients as small as the number of distinct rows.
+    """
+
+    @tf.custom_gradient
+    def expand(rows):
+        def grad(upstream):
+            return tf.math.unsorted_segment_sum(upstream, positions, tf.shape(rows)[0])
+
+        return tf.gather(rows, positions), grad
+
+    return expand(rows)
 
 
 def logical_variables(variables):

@@ -196,3 +196,35 @@ def test_step_trace_recorder_writes_a_trace_the_simulator_reads(strategy, tmp_pa
     events = kerasps.trace.read_trace(path)
     assert len(events) == len(recorder.events) == 6  # 3 functions of 2 steps per epoch
     assert {e.steps for e in events} == {2} and {e.kind for e in events} == {"train"}
+
+
+SHUTDOWN_PROGRAM = """
+import threading
+import keras, numpy as np, kerasps
+
+before = {t.name for t in threading.enumerate()}
+strategy = kerasps.ParameterServerStrategy(kerasps.cluster.in_process(num_workers=2, num_ps=1))
+with strategy.scope():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+x, y = np.ones((64, 3), "float32"), np.ones((64, 1), "float32")
+model.fit(x, y, verbose=0)
+print("running", sorted({t.name for t in threading.enumerate()} - before))
+strategy.shutdown()
+print("after-shutdown", sorted({t.name for t in threading.enumerate()} - before))
+print("fit-again", len(model.fit(x, y, verbose=0).history["loss"]))
+strategy.shutdown()
+"""
+
+
+def test_no_coordinator_thread_remains_after_the_strategy_shuts_down():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", SHUTDOWN_PROGRAM], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
+    assert "WorkerClosureProcessingLoop-1" in lines["running"]
+    assert lines["after-shutdown"] == "[]"
+    assert lines["fit-again"] == "1"

@@ -263,3 +263,109 @@ def test_ps_killed_mid_fit_raises_an_error_naming_the_ps_task(tmp_path):
         assert job.finish() == 3
     finally:
         job.close()
+
+
+PS_RECOVERY_CHIEF = """
+    import itertools, sys
+    import keras, tensorflow as tf, kerasps
+
+    strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config())
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(1)])
+        model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"])
+
+    def dataset_fn(context):
+        x = tf.random.stateless_uniform((256, 4), [1, context.input_pipeline_id])
+        y = tf.reduce_sum(x, axis=1, keepdims=True)
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)
+
+    def say(*words):
+        print(*words, flush=True)
+
+    trained = itertools.count(1)
+    progress = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: say("train batch", next(trained)))
+    backup = keras.callbacks.BackupAndRestore(sys.argv[1], save_freq=10)
+    history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=4, steps_per_epoch=50,
+                        verbose=0, callbacks=[progress, backup])
+    say("iterations", int(model.optimizer.iterations.numpy()))
+    say("reexecuted", sum(history.history["reexecuted_steps"]))
+    say("rolled back", sum(history.history["rolled_back_steps"]))
+    say("loss finite", bool(tf.math.is_finite(history.history["loss"][-1])))
+"""
+
+
+def test_ps_killed_mid_fit_is_restored_from_the_backup_inside_the_same_fit(tmp_path):
+    job = launch(tmp_path, PS_RECOVERY_CHIEF, "--workers", "2", "--ps", "2", "--max-restarts",
+                 "2", args=[str(tmp_path / "backup")])
+    try:
+        job.wait_for(r"\[chief 0\] train batch 75$")
+        job.kill("ps 1")
+        job.wait_for(r"\[launcher\] ps 1 exited with signal 9 \(SIGKILL\); restart 1 of 2")
+        iterations = int(job.wait_for(r"\[chief 0\] iterations (\d+)").group(1))
+        reexecuted = int(job.wait_for(r"\[chief 0\] reexecuted (\d+)").group(1))
+        rolled_back = int(job.wait_for(r"\[chief 0\] rolled back (\d+)").group(1))
+        job.wait_for(r"\[chief 0\] loss finite True")
+        assert job.finish() == 0, job.output()
+        # The same fit went on from the backup: every requested step ran once on the
+        # restored state, at most `save_freq` steps were run again.
+        assert iterations == 200 + reexecuted
+        assert 0 < rolled_back <= 10
+        assert "lost their variables at epoch 2" in job.output()
+    finally:
+        job.close()
+
+
+RESUMING_CHIEF = PS_RECOVERY_CHIEF.replace(
+    "save_freq=10)", "save_freq=10, double_checkpoint=True)").replace(
+    "    trained = itertools.count(1)\n",
+    "    trained = itertools.count(1)\n"
+    "    first = []\n"
+    "    def on_batch(batch, logs):\n"
+    "        if not first:\n"
+    "            first.append(batch)\n"
+    "            say('first batch', batch, 'iterations', int(model.optimizer.iterations.numpy()))\n"
+    "        say('train batch', next(trained))\n").replace(
+    "on_train_batch_end=lambda batch, logs: say(\"train batch\", next(trained)))",
+    "on_train_batch_end=on_batch)")
+
+
+def _recorded_progress(path):
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return json.loads(f.attrs["kerasps_progress"])
+
+
+@pytest.mark.parametrize("corrupt_latest", [False, True], ids=["latest", "corrupt_latest"])
+def test_killed_coordinator_run_again_resumes_inside_the_epoch(tmp_path, corrupt_latest):
+    backup = tmp_path / "backup"
+    options = ("--workers", "2", "--ps", "1")
+    job = launch(tmp_path, RESUMING_CHIEF, *options, args=[str(backup)])
+    try:
+        job.wait_for(r"\[chief 0\] train batch 75$")
+        job.kill("chief 0")
+        assert job.finish() != 0
+    finally:
+        job.close()
+    latest, previous = backup / "latest.weights.h5", backup / "latest.weights.h5.bkp"
+    if corrupt_latest:
+        latest.write_bytes(b"\x89HDF\r\n half a file")
+    saved = _recorded_progress(previous if corrupt_latest else latest)
+    assert saved["step"] > 0  # the backup is inside an epoch: Keras would restart it
+
+    job = launch(tmp_path, RESUMING_CHIEF, *options, args=[str(backup)])
+    try:
+        first = job.wait_for(r"\[chief 0\] first batch (\d+) iterations (\d+)")
+        assert int(first.group(1)) == saved["step"]
+        steps_left = 200 - (50 * saved["epoch"] + saved["step"])
+        job.wait_for(rf"\[chief 0\] train batch {steps_left}$")
+        iterations = int(job.wait_for(r"\[chief 0\] iterations (\d+)").group(1))
+        assert job.finish() == 0, job.output()
+        assert f"train batch {steps_left + 1}" not in job.output()
+        # `optimizer.iterations` went on from the backup's, never from zero.
+        assert int(first.group(2)) > 50 * saved["epoch"] + saved["step"] - 1
+        assert iterations >= 200
+    finally:
+        job.close()

@@ -56,8 +56,9 @@ def test_fit_trains_a_sequential_model_with_sharded_embedding(strategy):
     assert isinstance(model.layers[0].embeddings, kerasps.ShardedVariable)
     history = model.fit(kerasps.DatasetCreator(regression_fn), epochs=3, steps_per_epoch=20,
                         verbose=0)
-    assert set(history.history) == {"loss", "mae", "reexecuted_steps"}
+    assert set(history.history) == {"loss", "mae", "reexecuted_steps", "rolled_back_steps"}
     assert history.history["reexecuted_steps"] == [0, 0, 0]  # no worker failed
+    assert history.history["rolled_back_steps"] == [0, 0, 0]  # no ps task lost
     losses = history.history["loss"]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert int(model.optimizer.iterations.numpy()) == 60
@@ -137,7 +138,8 @@ def test_validation_data_adds_val_metrics_to_history(strategy):
     history = model.fit(kerasps.DatasetCreator(regression_fn), epochs=2, steps_per_epoch=5,
                         validation_data=kerasps.DatasetCreator(regression_fn),
                         validation_steps=3, verbose=0)
-    assert set(history.history) == {"loss", "mae", "val_loss", "val_mae", "reexecuted_steps"}
+    assert set(history.history) == {"loss", "mae", "val_loss", "val_mae", "reexecuted_steps",
+                                     "rolled_back_steps"}
     assert len(history.history["val_loss"]) == 2
 
 
@@ -266,7 +268,10 @@ def test_predict_returns_outputs_in_input_order(make_strategy):
     np.testing.assert_array_equal(model.predict(x, batch_size=4, verbose=0), x)
     dataset = tf.data.Dataset.from_tensor_slices(x).batch(3)
     np.testing.assert_array_equal(model.predict(dataset, verbose=0), x)
-    np.testing.assert_array_equal(model.predict(x, batch_size=4, steps=2, verbose=0), x[:8])
+    # With `steps`, which batches run depends on which worker is free first (batch
+    # `k` is worker `k % 2`'s); the outputs still come in input order.
+    some = model.predict(x, batch_size=4, steps=2, verbose=0)[:, 0]
+    assert len(some) == 8 and set(some) <= set(x[:, 0]) and (np.diff(some) > 0).all()
 
 
 def test_arrays_are_converted_to_a_sharded_dataset(strategy):

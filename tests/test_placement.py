@@ -225,7 +225,7 @@ def test_report_prints_a_table_with_one_row_per_shard_and_bytes_per_ps():
     assert lines[2].split() == ["user_embedding/part_0", "(1500,", "16)", F32, "96,000", "0"]
     assert lines[3].split() == ["user_embedding/part_1", "(1500,", "16)", F32, "96,000", "1"]
     assert lines[4].split()[0] == "dense/bias/part_0"
-    assert lines[6] == "bytes per ps task: ps0=96,016, ps1=96,016"
+    assert lines[6] == "bytes per ps task: ps0=96,016, ps1=96,016; imbalance (max/mean): 1.00"
     assert len(lines) == 7
 
 
@@ -248,8 +248,26 @@ def test_bytes_per_ps_reports_idle_ps_tasks():
     assert placement.PlacementReport(tuple(report)).bytes_per_ps(num_ps=3) == [16, 0, 0]
 
 
+def test_imbalance_is_the_busiest_ps_tasks_bytes_over_the_mean():
+    report = placement.plan([("a", (300,), F32), ("b", (100,), F32)], num_ps=2)
+    assert report.bytes_per_ps() == [1200, 400]
+    assert report.imbalance == pytest.approx(1.5)
+    assert str(report).splitlines()[-1].endswith("; imbalance (max/mean): 1.50")
+    # An idle ps task counts: everything on one of 4 ps tasks is the worst case, 4.
+    assert placement.plan([("a", (4,), F32)], num_ps=4).imbalance == pytest.approx(4.0)
+
+
+def test_greedy_placement_is_less_imbalanced_than_round_robin_for_mixed_sizes():
+    variables = [("embedding", (1000, 8), F32), ("w1", (100, 8), F32), ("w2", (900, 8), F32),
+                 ("w3", (100, 8), F32), ("w4", (50, 8), F32), ("w5", (400, 8), F32)]
+    round_robin = placement.plan(variables, num_ps=3, placement="round_robin")
+    greedy = placement.plan(variables, num_ps=3, placement="greedy")
+    assert greedy.imbalance < round_robin.imbalance
+
+
 def test_empty_report_has_no_load():
     report = placement.PlacementReport(())
+    assert report.imbalance == 1.0
     assert report.bytes_per_ps() == []
     assert report.bytes_per_ps(num_ps=2) == [0, 0]
     assert str(report).splitlines()[0].split() == ["name", "shape", "dtype", "bytes", "ps_task"]
@@ -268,6 +286,58 @@ def test_shard_records_are_immutable():
     record = _small_report()[0]
     with pytest.raises(AttributeError):
         record.ps_task = 1
+
+
+# -- the strategy's report ------------------------------------------------------------------
+def test_strategy_report_shows_greedy_placement_less_imbalanced_than_round_robin(
+        make_strategy):
+    keras = pytest.importorskip("keras")
+    sizes = [(1000, 4), (100, 4), (100, 4), (100, 4)]
+    reports = {}
+    for policy in ("round_robin", "greedy"):
+        strategy = make_strategy(placement=policy)
+        with strategy.scope():
+            for i, shape in enumerate(sizes):
+                keras.Variable(initializer="zeros", shape=shape, name=f"v{i}")
+        reports[policy] = strategy.placement_report()
+    assert reports["round_robin"].bytes_per_ps() == [17_600, 3_200]
+    assert reports["greedy"].bytes_per_ps() == [16_000, 4_800]
+    assert reports["greedy"].imbalance < reports["round_robin"].imbalance
+    assert str(reports["greedy"]).splitlines()[-1] == (
+        f"bytes per ps task: ps0=16,000, ps1=4,800; imbalance (max/mean): {16_000 / 10_400:.2f}")
+
+
+# -- bad partitioner output ----------------------------------------------------------------
+@pytest.mark.parametrize("returned", [[2], [2, 1, 1], [1, 2], [2, 2], [0, 1], [-1, 1],
+                                      [2.0, 1], [2.5, 1], ["2", 1], [True, 1], None, 2,
+                                      (np.float64(2), 1)], ids=repr)
+def test_plan_rejects_a_partitioner_answer_that_is_not_k_1_naming_the_variable(returned):
+    with pytest.raises(ValueError) as excinfo:
+        placement.plan([("user/embeddings", (10, 4), F32)], num_ps=2,
+                       partitioner=lambda shape, dtype: returned)
+    message = str(excinfo.value)
+    assert "`variable_partitioner`" in message
+    assert "'user/embeddings'" in message and "(10, 4)" in message
+    assert message.endswith(f"Received: {returned!r}")
+
+
+def test_partitioner_answers_may_be_numpy_integers_or_tuples():
+    report = placement.plan([("v", (10, 4), F32)], num_ps=2,
+                            partitioner=lambda shape, dtype: (np.int64(2), 1))
+    assert [r.shape for r in report] == [(5, 4), (5, 4)]
+
+
+@pytest.mark.parametrize("returned", [[2, 2], [0, 1], [2], [1.5, 1]], ids=repr)
+def test_strategy_rejects_a_bad_partitioner_answer_naming_the_variable(make_strategy,
+                                                                         returned):
+    keras = pytest.importorskip("keras")
+    strategy = make_strategy(variable_partitioner=lambda shape, dtype: returned)
+    with strategy.scope(), pytest.raises(ValueError) as excinfo:
+        keras.layers.Embedding(10, 4, name="items").build((None,))
+    message = str(excinfo.value)
+    assert "Invalid value returned by `variable_partitioner`" in message
+    assert "'items/embeddings'" in message and "(10, 4)" in message
+    assert f"Received: {returned!r}" in message
 
 
 # -- no TensorFlow ---------------------------------------------------------------------------

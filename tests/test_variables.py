@@ -28,19 +28,29 @@ def copy_weights(source, target):
                 getattr(dst, attr).assign(getattr(src, attr).numpy())
 
 
+def train_dense_keras(model, optimizer, batches):
+    """Single-process Keras, the embedding's gradient densified: Keras' dense rule."""
+    for ids, labels in batches:
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.losses.mean_squared_error(labels, model(ids)))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply([tf.convert_to_tensor(g) for g in gradients], model.trainable_variables)
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_training_on_shards_matches_single_process_keras(strategy, optimizer):
     reference = build()
     make = {"sgd": lambda: keras.optimizers.SGD(0.5), "adam": lambda: keras.optimizers.Adam(0.1)}
-    reference.compile(make[optimizer](), "mse")
     with strategy.scope():
         model = build()
         model.compile(make[optimizer](), "mse")
     assert isinstance(model.layers[0].embeddings, kerasps.ShardedVariable)
     copy_weights(reference, model)
 
+    # Row 3 appears twice in a batch: single-process Keras 3 squares each
+    # occurrence's gradient apart (an inexact Adam); kerasps sums them first.
+    train_dense_keras(reference, make[optimizer](), [(IDS, LABELS)] * 3)
     for _ in range(3):
-        reference.train_on_batch(IDS, LABELS)
         model.train_on_batch(IDS, LABELS)
 
     np.testing.assert_allclose(model.layers[0].embeddings.numpy(),
@@ -151,3 +161,23 @@ def test_checkpoint_restores_into_a_different_number_of_shards(make_strategy, tm
     assert restored.layers[0].embeddings.num_shards == 3
     tf.train.Checkpoint(model=restored).restore(path).assert_existing_objects_matched()
     np.testing.assert_array_equal(restored.layers[0].embeddings.numpy(), table)
+
+
+def test_optimizer_slots_of_shards_sit_next_to_them_and_make_a_whole_slot(strategy):
+    with strategy.scope():
+        model = build(num_rows=9)
+        model.compile(keras.optimizers.Adam(0.1), "mse")
+        model.optimizer.build(model.trainable_variables)
+    table = model.layers[0].embeddings
+    slots = [v for v in model.optimizer.variables if "embeddings_part" in v.name]
+    assert len(slots) == 2 * table.num_shards  # momentum and velocity of each shard
+    whole = {id(slot._kerasps_container): slot._kerasps_container for slot in slots}
+    assert len(whole) == 2
+    for slot in whole.values():
+        assert isinstance(slot, kerasps.ShardedVariable)
+        assert slot.shape == table.shape and slot.shard_sizes == table.shard_sizes
+        assert [s.value.device for s in slot.shards] == [s.value.device for s in table.shards]
+    # Named as Keras names the slots of an unsharded variable.
+    prefix = f"{model.optimizer.name}/{table.path.replace('/', '_')}"
+    assert sorted(slot.path for slot in whole.values()) == [f"{prefix}_momentum",
+                                                            f"{prefix}_velocity"]

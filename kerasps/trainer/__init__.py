@@ -1,0 +1,70 @@
+"""`model.fit`, `evaluate` and `predict` for Keras models built under a kerasps strategy.
+
+One module per concern: `inputs` (the `x` argument made into per-worker
+pipelines), `steps` (the functions scheduled on workers), `dispatch` (a
+bounded window of scheduled functions, results in order), `recovery`
+(bringing a lost ps task's state back inside `fit`), then `training`,
+`evaluation`, `prediction` and `on_batch`.
+
+Keras' own TensorFlow trainer runs each step with `strategy.run` on the
+coordinator; under parameter-server training steps must instead be scheduled
+on the workers. These functions replace `fit`, `evaluate`, `predict` and the
+`*_on_batch` methods for models whose strategy is a
+`kerasps.ParameterServerStrategy` (the dispatch lives in `kerasps._keras`);
+every other model keeps Keras' code.
+
+How a `fit` runs:
+
+* Each worker builds its own input pipeline (see `kerasps.input`) once per
+  `DatasetCreator` and keeps one iterator over it; training input is
+  repeated, so an epoch is `steps_per_epoch` steps taken by whichever workers
+  are free, and a later `fit` with the same `DatasetCreator` continues the
+  stream where the previous one stopped.
+* A scheduled function runs `steps_per_execution` training steps on a worker.
+  The coordinator keeps a bounded number of functions in flight
+  (`STEPS_IN_FLIGHT_PER_WORKER` per worker) and, as results arrive, calls
+  `on_train_batch_end` in step order with the running metrics: batch-level
+  callbacks and a live progress bar work, at most a window behind the workers.
+  `on_train_batch_begin` is called when a step is scheduled.
+* Metrics live on the ps tasks and every worker updates them, so epoch logs,
+  read on the coordinator after the epoch's steps finish, aggregate all
+  workers exactly.
+
+Inputs accepted for `x`:
+
+* `kerasps.DatasetCreator` (or a callable taking an `InputContext`);
+* a batched `tf.data.Dataset`: worker `i` reads the batches `k` with
+  `k % num_workers == i`; `steps_per_epoch` defaults to its cardinality;
+* arrays (NumPy, tensors, or dicts/lists of them) with `y`, `sample_weight`
+  and `batch_size` (default 32): converted to such a dataset; `fit`
+  shuffles them each epoch unless `shuffle=False`;
+* what the strategy's own `experimental_distribute_dataset(dataset)` and
+  `distribute_datasets_from_function(fn, options)` return (code ported from
+  tf_keras): read as `dataset` and as `DatasetCreator(fn, options)`.
+
+A compiled model need not be built first: `fit`, `evaluate` and the
+`*_on_batch` methods build it with its loss and metrics, `predict` and
+`predict_on_batch` build its layers only (there are no targets).
+
+`evaluate` and `predict` without `steps` run until every worker's dataset is
+exhausted, visiting each element once; `predict` returns outputs in input
+order (for a `DatasetCreator`, in the order of the workers' batches
+interleaved: batch `j` of worker `i` is batch `j * num_workers + i`).
+"""
+
+from __future__ import annotations
+
+from kerasps.trainer.dispatch import STEPS_IN_FLIGHT_PER_WORKER
+from kerasps.trainer.evaluation import evaluate
+from kerasps.trainer.on_batch import predict_on_batch, test_on_batch, train_on_batch
+from kerasps.trainer.prediction import predict
+from kerasps.trainer.training import fit
+
+__all__ = ["fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
+           "predict_on_batch", "uses_kerasps", "STEPS_IN_FLIGHT_PER_WORKER"]
+
+
+def uses_kerasps(model) -> bool:
+    """True if `model` was built under a `kerasps.ParameterServerStrategy` scope."""
+    strategy = getattr(model, "_distribute_strategy", None)
+    return bool(getattr(strategy, "_is_kerasps", False))

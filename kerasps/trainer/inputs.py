@@ -1,0 +1,148 @@
+"""The `x` argument of `fit`/`evaluate`/`predict` made into per-worker input pipelines."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from kerasps import _keras, _tf
+from kerasps import input as input_lib
+from kerasps._validation import positive_int
+
+DEFAULT_BATCH_SIZE = 32
+
+
+def is_array_like(x):
+    if isinstance(x, (np.ndarray, tf.Tensor)) or tf.is_tensor(x):
+        return True
+    if isinstance(x, (list, tuple)) and x and all(is_array_like(e) for e in x):
+        return True
+    if isinstance(x, dict) and x and all(is_array_like(e) for e in x.values()):
+        return True
+    return False
+
+
+class Source:
+    """One `x` argument made into a per-worker dataset function.
+
+    Attributes:
+        dataset_fn: `(input_context) -> tf.data.Dataset` for one worker.
+        total_batches: the number of batches over all workers if known.
+        options: `tf.distribute.InputOptions` of a `DatasetCreator`.
+        creator: the user's `DatasetCreator`, whose pipelines are built once.
+    """
+
+    def __init__(self, dataset_fn, total_batches=None, options=None, creator=None):
+        self.dataset_fn = dataset_fn
+        self.total_batches = total_batches
+        self.options = options
+        self.creator = creator
+
+
+def _require_none_with_batches(kind, arg, **values):
+    """`y`, `sample_weight` and `batch_size` belong to arrays, not to batched inputs."""
+    for name, value in values.items():
+        if value is not None:
+            raise ValueError(
+                f"Invalid value for argument `{name}`: it must be None when `{arg}` is "
+                f"a {kind} (it yields batches). Received: {name}={value!r:.100}")
+
+
+def make_source(x, y, sample_weight, batch_size, shuffle, training, arg="x"):
+    x = input_lib.unwrap_distributed(x, arg)
+    if isinstance(x, input_lib.DatasetCreator) or (
+            callable(x) and not isinstance(x, tf.data.Dataset) and not is_array_like(x)):
+        _require_none_with_batches("`DatasetCreator`", arg, y=y, sample_weight=sample_weight,
+                                   batch_size=batch_size)
+        creator = x if isinstance(x, input_lib.DatasetCreator) else input_lib.DatasetCreator(x)
+        return Source(creator, options=creator.input_options, creator=creator)
+
+    if isinstance(x, tf.data.Dataset):
+        _require_none_with_batches("`tf.data.Dataset`", arg, y=y, sample_weight=sample_weight,
+                                   batch_size=batch_size)
+        dataset = x
+    elif is_array_like(x):
+        batch_size = positive_int("batch_size", batch_size, allow_none=True) or DEFAULT_BATCH_SIZE
+        data = tuple(v for v in (x, y, sample_weight) if v is not None)
+        data = data[0] if len(data) == 1 else data
+        dataset = tf.data.Dataset.from_tensor_slices(data)
+        if training and shuffle:
+            size = int(dataset.cardinality())
+            dataset = dataset.shuffle(max(size, 1), reshuffle_each_iteration=True)
+        dataset = dataset.batch(batch_size)
+    else:
+        raise ValueError(
+            f"Invalid value for argument `{arg}`: under a kerasps strategy it must be a "
+            "`kerasps.DatasetCreator`, a `tf.data.Dataset` or arrays (NumPy arrays, "
+            f"tensors, or lists/dicts of them). Received: {arg}={type(x).__name__} "
+            f"{x!r:.100}")
+
+    graph = _tf.serialize_dataset(dataset)
+    spec = dataset.element_spec
+    cardinality = int(dataset.cardinality())
+
+    def dataset_fn(context):
+        batches = _tf.deserialize_dataset(graph, spec)
+        return batches.shard(context.num_input_pipelines, context.input_pipeline_id)
+
+    total = cardinality if cardinality >= 0 else None
+    if cardinality == tf.data.INFINITE_CARDINALITY:
+        total = tf.data.INFINITE_CARDINALITY
+    return Source(dataset_fn, total_batches=total)
+
+
+_TRANSFORMS = {
+    "train": lambda dataset: dataset.repeat(),
+    "evaluate": None,
+    "predict": lambda dataset: dataset.map(_only_inputs).enumerate(),
+}
+
+
+def _only_inputs(*element):
+    if len(element) == 1:
+        element = element[0]
+    x, _, _ = _keras.unpack_x_y_sample_weight(element)
+    return x
+
+
+def per_worker_dataset(coordinator, source, purpose):
+    """Builds the per-worker pipelines of `source` for `purpose` ("train", "evaluate",
+    "predict").
+
+    The pipelines of a `DatasetCreator` are traced once per coordinator and
+    purpose and reused by later `fit`/`evaluate`/`predict` calls (each call
+    still starts fresh iterators); pass a new `DatasetCreator` to rebuild them.
+    """
+    cache = coordinator._dataset_cache.setdefault(source.creator, {}) if (
+        source.creator is not None) else {}
+    if purpose in cache:
+        return cache[purpose]
+    transform = _TRANSFORMS[purpose]
+
+    def dataset_fn(context):
+        dataset = input_lib.check_dataset(source.dataset_fn(context), source.dataset_fn)
+        return transform(dataset) if transform is not None else dataset
+
+    cache[purpose] = coordinator.create_per_worker_dataset(
+        input_lib.DatasetCreator(dataset_fn, input_options=source.options))
+    return cache[purpose]
+
+
+def total_batches(source, coordinator):
+    if source.total_batches is not None:
+        return source.total_batches
+    counts = input_lib.cardinalities(coordinator.strategy, source.dataset_fn)
+    if any(c == tf.data.INFINITE_CARDINALITY for c in counts):
+        return tf.data.INFINITE_CARDINALITY
+    if any(c is None for c in counts):
+        return None
+    return sum(counts)
+
+
+def require_finite(source, coordinator, argument):
+    """Without a step count, evaluation and prediction read datasets to their end."""
+    if total_batches(source, coordinator) == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            f"Invalid value for argument `{argument}`: it is required when the dataset is "
+            f"infinite (evaluation and prediction without `{argument}` read every worker's "
+            f"dataset to its end). Received: {argument}=None")

@@ -1,0 +1,201 @@
+"""Bringing a lost ps task's state back inside `fit`, from `keras.callbacks.BackupAndRestore`.
+
+A ps task killed and started again on its address (by `kerasps launch`'s
+restart agent, or by Kubernetes) comes back empty. When `fit` has a
+`BackupAndRestore` among its callbacks:
+
+1. Every backup it writes records how far the call was (`failures.Progress`:
+   the epoch, and the steps of it whose results had reached the
+   coordinator), as an attribute of the weights file itself, so the record
+   and the weights cannot disagree; a backup replaces the previous one only
+   once written whole (a save cut short by the loss leaves the last good
+   one). `fit` also writes a backup when it starts and, with an integer
+   `save_freq`, at the end of each epoch: there is always one to restore,
+   and a recovery never crosses an epoch.
+2. After an error, one variable on each ps task is read; the tasks whose
+   reads fail lost their state (`failures.decide` takes it from there).
+3. `restore_lost_state` waits for those tasks to answer, re-establishes the
+   coordinator's context with the cluster, gives every variable they held a
+   new resource, restores every variable from the latest backup (those on
+   the surviving tasks too, so the state is exactly the backup's), resets
+   the metrics and forgets the traced step functions.
+4. `fit` goes on from the backup's step: the steps since (at most
+   `save_freq`) run again, and the call ends at the requested step count.
+
+The same record lets a restarted coordinator resume `fit` mid-epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+
+import h5py
+import tensorflow as tf
+
+from kerasps import _keras, _tf, failures
+from kerasps.failures import Progress, PsTaskFailedError, Recovery
+from kerasps.trainer.steps import forget_step_functions
+
+# Seconds `fit` waits for a lost ps task to answer again before giving up.
+PS_RECOVERY_TIMEOUT = 600.0
+_PROGRESS = "kerasps_progress"
+
+
+class Backup:
+    """The `BackupAndRestore` callback of a `fit` call, with kerasps' progress record.
+
+    Args:
+        callback: a `keras.callbacks.BackupAndRestore`.
+    """
+
+    def __init__(self, callback):
+        self.callback = callback
+        self.latest, self.previous = _keras.backup_paths(callback)
+
+    @classmethod
+    def of(cls, callbacks) -> Backup | None:
+        callback = _keras.backup_callback(callbacks)
+        return None if callback is None else cls(callback)
+
+    @contextlib.contextmanager
+    def recording(self, progress):
+        """Inside the block, backups are written whole or not at all, and each
+        records `progress()` (a `Progress`)."""
+        self._progress = progress
+        with _keras.backups_written_by(self.callback, self.save):
+            yield
+
+    def save(self):
+        """Writes a backup now (inside `recording`)."""
+        _keras.write_backup(self.callback, self._record)
+
+    def _record(self, path):
+        with h5py.File(path, "a") as f:
+            f.attrs[_PROGRESS] = json.dumps(dataclasses.asdict(self._progress()))
+
+    def save_at_epoch_end(self):
+        """Backs up at the end of an epoch unless the callback already did."""
+        if not _keras.backup_saves_each_epoch(self.callback):
+            self.save()
+
+    def progress(self) -> Progress | None:
+        """The progress recorded in the latest backup; `None` without one."""
+        try:
+            with h5py.File(self.latest, "r") as f:
+                record = f.attrs.get(_PROGRESS)
+        except OSError:
+            return None
+        return None if record is None else Progress(**json.loads(record))
+
+    def restore(self, model) -> Progress:
+        """Loads the latest backup into `model` (the previous one if the latest is
+        unreadable, as `BackupAndRestore(double_checkpoint=True)` does) and returns
+        its progress."""
+        try:
+            model.load_weights(self.latest)
+        except OSError:
+            if not os.path.exists(self.previous):
+                raise
+            logging.warning("The latest backup %s is unreadable; restoring the previous one.",
+                            self.latest)
+            shutil.copyfile(self.previous, self.latest)
+            model.load_weights(self.latest)
+        progress = self.progress()
+        if progress is None:
+            raise RuntimeError(f"The backup {self.latest} holds no kerasps progress record, so "
+                               "the step to go on from is unknown.")
+        return progress
+
+
+def _state_variables(model):
+    """Every variable of the model, its optimizer and its metrics, once each."""
+    variables = [*model.variables, *model.metrics_variables]
+    if model.optimizer is not None:
+        variables += model.optimizer.variables
+    unique = {id(v): v for v in variables if _tf.resource_variable(v) is not None}
+    return list(unique.values())
+
+
+def _ps_task(variable):
+    return _tf.device_ps_task(_tf.resource_variable(variable).device)
+
+
+def lost_ps_tasks(model, error) -> list[int]:
+    """The ps tasks that no longer hold the model's variables, after `error`.
+
+    Reads one variable on each ps task: a task that died, or died and came
+    back empty, fails the read.
+    """
+    if not isinstance(error, tf.errors.OpError):
+        return []
+    probes = {}
+    for variable in _state_variables(model):
+        probes.setdefault(_ps_task(variable), variable)
+    return sorted(task for task, variable in probes.items()
+                  if task is not None and not _tf.holds_state(variable))
+
+
+def raise_if_ps_lost(error, model, method):
+    """Raises `PsTaskFailedError` from `error` if a ps task lost the model's state."""
+    lost = lost_ps_tasks(model, error)
+    if lost:
+        raise PsTaskFailedError(lost[0], method) from error
+
+
+def recover(error, model, backup: Backup | None, epoch: int, finished: int) -> Progress:
+    """After `error` in epoch `epoch` of `fit` (`finished` steps delivered): restores
+    the state lost with ps tasks and returns where to go on from.
+
+    Raises:
+        error: again, if no ps task lost its state (the error is not a ps loss).
+        PsTaskFailedError: a ps task lost its state and there is no backup, or
+            it did not come back within `PS_RECOVERY_TIMEOUT`.
+    """
+    lost = lost_ps_tasks(model, error)
+    decision = failures.decide(lost, has_backup=backup is not None)
+    if decision is None:
+        raise error
+    if decision is Recovery.RAISE:
+        raise PsTaskFailedError(lost[0], "fit") from error
+    progress = restore_lost_state(model, backup, lost)
+    rerun = failures.steps_rolled_back(progress, epoch, finished)
+    logging.warning(
+        "ps task(s) %s lost their variables at epoch %d step %d; restored the backup of "
+        "step %d: %d step(s) run again.", ", ".join(map(str, lost)), epoch + 1, finished,
+        progress.step, rerun)
+    return progress
+
+
+def restore_lost_state(model, backup: Backup, ps_tasks) -> Progress:
+    """Waits for `ps_tasks`, gives their variables new resources and restores the backup."""
+    deadline = time.monotonic() + PS_RECOVERY_TIMEOUT
+    for task in ps_tasks:
+        while not _tf.ps_task_alive(task):
+            if time.monotonic() > deadline:
+                raise PsTaskFailedError(task, "fit", reason=(
+                    f"It did not answer again within {PS_RECOVERY_TIMEOUT:.0f} s, so the "
+                    "backup could not be restored."))
+            time.sleep(0.5)
+    _tf.reconnect_cluster()
+    renewed = [v for v in _state_variables(model) if _ps_task(v) in ps_tasks]
+    for variable in renewed:
+        _tf.renew_variable(variable)
+    progress = backup.restore(model)
+    model.reset_metrics()
+    restored = {id(v) for v in [*model.weights, *model.metrics_variables]}
+    if model.optimizer is not None:
+        restored |= {id(v) for v in model.optimizer.variables}
+    others = [v for v in renewed if id(v) not in restored]
+    for variable in others:  # e.g. random seed states, which backups do not hold
+        variable.assign(tf.zeros(variable.shape, variable.dtype))
+    if others:
+        logging.warning("Not in the backup, set to zeros: %s",
+                        ", ".join(v.path for v in others))
+    forget_step_functions(model)
+    return progress

@@ -1,0 +1,186 @@
+"""`model.fit` under a kerasps strategy."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+from kerasps import _keras
+from kerasps._validation import positive_int
+from kerasps.failures import Progress
+from kerasps.trainer import recovery
+from kerasps.trainer.checks import build, check_model
+from kerasps.trainer.dispatch import Window, to_logs
+from kerasps.trainer.evaluation import Evaluation
+from kerasps.trainer.inputs import is_array_like, make_source, per_worker_dataset, total_batches
+from kerasps.trainer.steps import make_train_function
+
+
+def iterations_of(model):
+    optimizer = model.optimizer
+    return None if optimizer is None or not optimizer.built else int(optimizer.iterations.numpy())
+
+
+def _record_epoch_counts(model, history, epoch, iterations_before, steps, rerun):
+    """Reports in the History the epoch's steps that ran twice and those run again
+    after restoring a backup.
+
+    Scheduled functions run at least once: one whose worker failed before its
+    result reached the coordinator runs again elsewhere, and the steps it had
+    already applied count twice in `optimizer.iterations` (a counter on the ps
+    that every applied step increments). `history.history["reexecuted_steps"]`
+    holds one count per epoch; `history.history["rolled_back_steps"]` the steps
+    run again after a lost ps task's state was restored from a backup.
+    """
+    after = iterations_of(model)
+    count = 0 if iterations_before is None or after is None else max(
+        0, after - iterations_before - steps)
+    if history is not None:
+        history.history.setdefault("reexecuted_steps", []).append(count)
+        history.history.setdefault("rolled_back_steps", []).append(rerun)
+    if count:
+        logging.warning("Epoch %d: %d step(s) ran twice: a worker failed before its results "
+                        "reached the coordinator (training is at-least-once).", epoch + 1, count)
+
+
+def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+        validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+        sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+        validation_batch_size=None, validation_freq=1):
+    """`model.fit` under a kerasps strategy; arguments as in `keras.Model.fit`."""
+    check_model(model, "fit")
+    from kerasps.coordinator import ClusterCoordinator
+
+    if x is None:
+        raise ValueError("Invalid value for argument `x`: training data is required. "
+                         "Received: x=None")
+    if validation_split:
+        raise ValueError(
+            "Invalid value for argument `validation_split`: it is not supported under a "
+            "kerasps strategy; pass `validation_data` instead. Received: "
+            f"validation_split={validation_split!r}")
+    if class_weight is not None:
+        raise ValueError(
+            "Invalid value for argument `class_weight`: it is not supported under a "
+            "kerasps strategy; weight samples in the dataset instead. Received: "
+            f"class_weight={class_weight!r}")
+    epochs = positive_int("epochs", epochs)
+    if isinstance(initial_epoch, bool) or not isinstance(initial_epoch, (int, np.integer)) or (
+            initial_epoch < 0):
+        raise ValueError("Invalid value for argument `initial_epoch`: it must be an integer "
+                         f">= 0. Received: initial_epoch={initial_epoch!r}")
+    steps_per_epoch = positive_int("steps_per_epoch", steps_per_epoch, allow_none=True)
+    validation_steps = positive_int("validation_steps", validation_steps, allow_none=True)
+    validation_freq = positive_int("validation_freq", validation_freq)
+
+    coordinator = ClusterCoordinator(model.distribute_strategy)
+    source = make_source(x, y, sample_weight, batch_size, shuffle, training=True)
+    per_worker = per_worker_dataset(coordinator, source, "train")
+    if steps_per_epoch is None:
+        total = total_batches(source, coordinator)
+        if total is None or total == tf.data.INFINITE_CARDINALITY or total == 0:
+            kind = {None: "of unknown size", tf.data.INFINITE_CARDINALITY: "infinite",
+                    0: "empty"}[total]
+            raise ValueError(
+                "Invalid value for argument `steps_per_epoch`: it is required when the "
+                f"training dataset is {kind} (an epoch is `steps_per_epoch` steps over all "
+                "workers). Received: steps_per_epoch=None")
+        steps_per_epoch = total
+
+    build(model, per_worker)
+    validation = None
+    if validation_data is not None:
+        val_x, val_y, val_sw = _keras.unpack_x_y_sample_weight(validation_data) if (
+            isinstance(validation_data, (list, tuple))) else (validation_data, None, None)
+        validation = Evaluation(model, coordinator, make_source(
+            val_x, val_y, val_sw, validation_batch_size or (batch_size if is_array_like(val_x)
+                                                             else None),
+            shuffle=False, training=False, arg="validation_data"), validation_steps,
+            steps_argument="validation_steps")
+
+    if not isinstance(callbacks, _keras.CallbackList):
+        callbacks = _keras.CallbackList(
+            callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose,
+            epochs=epochs, steps=steps_per_epoch, model=model)
+
+    spe = model.steps_per_execution
+    iterator = per_worker.persistent_iterator()
+    backup = recovery.Backup.of(callbacks)
+    model.stop_training = False
+    callbacks.on_train_begin()
+    initial_epoch = model._initial_epoch or initial_epoch
+    # A restarted coordinator goes on from the step its latest backup recorded.
+    resumed = backup.progress() if backup is not None else None
+    if resumed is not None and resumed.epoch >= initial_epoch:
+        initial_epoch = resumed.epoch
+    position = Progress(initial_epoch, resumed.step if (
+        resumed is not None and resumed.epoch == initial_epoch) else 0)
+    tracing = coordinator.tracing
+    training_logs = None
+    logs = {}
+    with backup.recording(lambda: position) if backup else contextlib.nullcontext():
+        if backup is not None:
+            backup.save()  # there is always a backup to go back to
+        for epoch in range(initial_epoch, epochs):
+            model.reset_metrics()
+            callbacks.on_epoch_begin(epoch)
+            if tracing:
+                coordinator.set_trace_phase("train", spe)
+            step = done = position.step if position.epoch == epoch else 0
+            iterations_before, counted_from, rerun = iterations_of(model), step, 0
+            while True:
+                window = Window(coordinator)
+                train_function = make_train_function(model)
+                try:
+                    while step < steps_per_epoch and not model.stop_training:
+                        n = min(spe, steps_per_epoch - step)
+                        callbacks.on_train_batch_begin(step)
+                        window.schedule(train_function, (iterator, n), step + n - 1)
+                        step += n
+                        for end, result in window.ready():
+                            logs, done = to_logs(result), end + 1
+                            position = Progress(epoch, done)
+                            callbacks.on_train_batch_end(end, logs)
+                    for end, result in window.drain():
+                        logs, done = to_logs(result), end + 1
+                        position = Progress(epoch, done)
+                        callbacks.on_train_batch_end(end, logs)
+                    epoch_logs = dict(_keras.metrics_result_or_logs(model, logs))
+                    break
+                except tf.errors.OutOfRangeError:
+                    window.abandon()
+                    warnings.warn(
+                        "Your input ran out of data; interrupting training. Make sure that "
+                        "your dataset can generate at least `steps_per_epoch * epochs` "
+                        "batches.", stacklevel=2)
+                    model.stop_training = True
+                    epoch_logs = dict(_keras.metrics_result_or_logs(model, logs))
+                    break
+                except BaseException as error:
+                    window.abandon()
+                    position = recovery.recover(error, model, backup, epoch, done)
+                    # The restored counters are the backup's: `iterations_before` still
+                    # holds, and steps the backup had applied ahead of `position`
+                    # count as re-executed.
+                    rerun += done - position.step
+                    step = done = position.step
+            if validation is not None and _keras.should_eval(model, epoch, validation_freq):
+                val_logs = validation.run(callbacks=callbacks, verbose=0, return_dict=True)
+                epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            _record_epoch_counts(model, _keras.history_of(callbacks), epoch, iterations_before,
+                                 step - counted_from, rerun)
+            position = Progress(epoch + 1, 0)
+            callbacks.on_epoch_end(epoch, epoch_logs)
+            if backup is not None:
+                backup.save_at_epoch_end()
+            training_logs = epoch_logs
+            if model.stop_training:
+                break
+    if model.optimizer is not None and epochs > 0:
+        model.optimizer.finalize_variable_values(model.trainable_weights)
+    callbacks.on_train_end(logs=training_logs)
+    return model.history
