@@ -58,7 +58,7 @@ def _sweep(args) -> int:
         raise ScenarioError("Invalid value for `--vary`: give at least one KEY=V1,V2,... "
                             "Received: no --vary")
     points = sweep(scenario, vary, repeats=args.repeats)
-    columns = list(vary) + ["steps_per_second", "examples_per_second", "goodput",
+    columns = list(vary) + ["finished", "steps_per_second", "examples_per_second", "goodput",
                             "gradients_dropped", "steps_lost", "staleness.mean"]
     rows = sweep_rows(points)
     print("  ".join(f"{c:>18}" for c in columns))

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import simpy
 
-from simulator.failures import Abort, Cancel
+from kerasps.restarts import Action
+from simulator.failures import Abort, Cancel, Restarts
 from simulator.metrics import Metrics
 from simulator.scenario import CheckpointSpec, Mode, TrainingSpec
 
@@ -150,11 +151,13 @@ class Coordinator:
         workers: every worker ever created.
         last_checkpoint: global step of the newest checkpoint.
         done: fires when `training.steps` is reached.
+        ended: fires when a task's spent restart budget ends the job.
+        restarts: the worker and ps tasks' restarts (`failures.Restarts`).
         up: `False` while the coordinator is down.
     """
 
     def __init__(self, env: simpy.Environment, training: TrainingSpec,
-                 checkpoint: CheckpointSpec, metrics: Metrics):
+                 checkpoint: CheckpointSpec, metrics: Metrics, max_restarts: int | None = None):
         self.env = env
         self.training = training
         self.checkpoint = checkpoint
@@ -170,6 +173,8 @@ class Coordinator:
         self._applied_at_checkpoint = 0  # `metrics.applied` when the last checkpoint was taken
         self._applied_at_request = 0
         self.done = env.event()
+        self.ended = env.event()
+        self.restarts = Restarts(max_restarts)
         self.up = True
         self.process: simpy.Process | None = None
         self.checkpoint_due = env.event()
@@ -236,6 +241,23 @@ class Coordinator:
             self.release()
 
     # Failures.
+    def restart(self, task_type: str, index: int) -> bool:
+        """Whether the crashed task `task_type:index` comes back, as `kerasps launch` decides.
+
+        If its restart budget is spent, the job ends instead (`ended` fires and
+        `metrics.ended_by` says which task, after how many restarts, and why).
+        """
+        decision = self.restarts.decide(task_type, index)
+        if decision.action is Action.RESTART:
+            return True
+        task = f"{task_type}:{index}"
+        self.metrics.ended_by = {"time": self.env.now, "task": task,
+                                 "restarts": self.restarts.counts.get(task, 0),
+                                 "reason": decision.reason}
+        if not self.ended.triggered:
+            self.ended.succeed()
+        return False
+
     def job_failure(self, actor: str, crash):
         """Recovery from a ps or coordinator failure (a generator; run it with `yield from`).
 

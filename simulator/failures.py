@@ -3,19 +3,27 @@
 Every failure is an interrupt of an actor's process (`worker`, `ps`,
 `coordinator`); the `cause` says what happened. Injectors are processes too:
 `random_failures` draws exponential times to failure from an MTBF, and
-`scripted_failures` replays `[[failures.events]]`.
+`scripted_failures` replays `[[failures.events]]`. Whether a crashed worker
+or ps task comes back is decided by `kerasps launch`'s own restart policy
+(`Restarts`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import numpy as np
 import simpy
 
+from kerasps.restarts import Action, Decision, RestartPolicy  # pure Python, no TensorFlow
 from simulator.scenario import FailureKind, FailuresSpec, Target
 
-__all__ = ["Crash", "Abort", "Cancel", "Leave", "random_failures", "scripted_failures"]
+__all__ = ["Crash", "Abort", "Cancel", "Leave", "Restarts", "random_failures",
+           "scripted_failures"]
+
+# What a simulated crash looks like to the restart policy: a process killed by SIGKILL.
+CRASH_EXIT_CODE = -9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +49,35 @@ class Cancel:
 @dataclasses.dataclass(frozen=True)
 class Leave:
     """The worker leaves the elastic pool."""
+
+
+class Restarts:
+    """The restarts of every simulated worker and ps task, decided by `kerasps.restarts`.
+
+    Each crash asks `kerasps.restarts.RestartPolicy.decide`, as the restart
+    agent of `kerasps launch` does when a process exits: the task restarts
+    on its budget, or the job ends.
+
+    Args:
+        max_restarts: restarts allowed per task (`failures.max_restarts`);
+            `None`: unlimited.
+
+    Attributes:
+        counts: restarts so far, by task name (`"worker:1"`, `"ps:0"`).
+    """
+
+    def __init__(self, max_restarts: int | None):
+        self.policy = RestartPolicy(sys.maxsize if max_restarts is None else max_restarts)
+        self.counts: dict[str, int] = {}
+
+    def decide(self, task_type: str, index: int) -> Decision:
+        """What happens to task `task_type:index`, which just crashed; counts a restart."""
+        name = f"{task_type}:{index}"
+        restarts = self.counts.get(name, 0)
+        decision = self.policy.decide(task_type, index, CRASH_EXIT_CODE, restarts)
+        if decision.action is Action.RESTART:
+            self.counts[name] = restarts + 1
+        return decision
 
 
 def random_failures(env: simpy.Environment, cluster, target: Target, spec: FailuresSpec,

@@ -29,6 +29,8 @@ class Metrics:
         downtime: seconds the job spent recovering from ps/coordinator failures.
         failures: `(time, actor, kind, steps_lost)` tuples.
         checkpoints: `(time, step)` tuples.
+        ended_by: `None`, or the task whose spent restart budget ended the job:
+            `{"time", "task", "restarts", "reason"}`.
         events: `(worker, start, end, version, outcome)` per worker step, or
             `None` when not recorded.
     """
@@ -45,6 +47,7 @@ class Metrics:
         self.downtime = 0.0
         self.failures: list[tuple] = []
         self.checkpoints: list[tuple] = []
+        self.ended_by: dict | None = None
         self.events: list[tuple] | None = [] if record_events else None
 
 
@@ -83,6 +86,11 @@ class Result:
         ps: one dict per ps task: `index`, `bytes`, `traffic_bytes`, `utilization`.
         failures: `(time, actor, kind, steps_lost)` tuples.
         checkpoints: `(time, step)` tuples.
+        restarts: restarts of each worker and ps task that was restarted
+            (`{"worker:1": 2}`).
+        ended_by: `None`, or why the job ended early as `kerasps launch` would
+            end it: `{"time", "task", "restarts", "reason"}` of the worker or ps
+            task that crashed once more than `failures.max_restarts` allows.
         step_times: worker step durations (NumPy array).
         staleness: staleness of applied gradients (NumPy array, async).
         step_ends: time of each kept global step (NumPy array).
@@ -106,6 +114,8 @@ class Result:
     ps: list
     failures: list
     checkpoints: list
+    restarts: dict
+    ended_by: dict | None
     step_times: np.ndarray = dataclasses.field(repr=False)
     staleness: np.ndarray = dataclasses.field(repr=False)
     step_ends: np.ndarray = dataclasses.field(repr=False)
@@ -160,6 +170,8 @@ class Result:
             "downtime": self.downtime,
             "num_failures": len(self.failures),
             "num_checkpoints": len(self.checkpoints),
+            "restarts": dict(self.restarts),
+            "ended_by": self.ended_by,
             "worker_step_time": describe(self.step_times),
             "global_step_interval": describe(intervals),
             "staleness": describe(self.staleness),
@@ -228,6 +240,12 @@ class Result:
             lines.append(f"  failures           {len(self.failures)} "
                          f"({s['steps_lost']:,} steps lost, {s['downtime']:.1f} s down), "
                          f"{len(self.checkpoints)} checkpoints")
+        if self.restarts:
+            lines.append("  restarts           " + ", ".join(
+                f"{task} {n}" for task, n in sorted(self.restarts.items())))
+        if self.ended_by is not None:
+            lines.append(f"  job ended          at {self.ended_by['time']:.3f} s: "
+                         f"{self.ended_by['reason']}")
         for p in self.ps:
             lines.append(f"  ps{p['index']}                {p['bytes']:,} bytes, "
                          f"utilization {p['utilization']:.3f}")

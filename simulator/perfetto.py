@@ -17,7 +17,8 @@ def trace_events(result: Result) -> list[dict]:
 
     Each worker step is a complete (`"X"`) slice on its worker's track, named
     after its outcome (`done`, `dropped`, `lost`); failures and checkpoints
-    are instant events on the job track, and the global step is a counter.
+    are instant events on the job track (as is the end of a job whose restart
+    budget was spent), and the global step is a counter.
     """
     if result.events is None:
         raise ValueError("Events were not recorded: pass `record_events=True` to `run`.")
@@ -39,6 +40,11 @@ def trace_events(result: Result) -> list[dict]:
     for time, step in result.checkpoints:
         out.append({"ph": "i", "s": "p", "name": "checkpoint", "cat": "checkpoint",
                     "pid": _JOB, "tid": 0, "ts": time * us, "args": {"step": step}})
+    if result.ended_by is not None:
+        out.append({"ph": "i", "s": "g", "name": "job ended", "cat": "failure", "pid": _JOB,
+                    "tid": 0, "ts": result.ended_by["time"] * us,
+                    "args": {"task": result.ended_by["task"],
+                             "reason": result.ended_by["reason"]}})
     stride = max(1, len(result.step_ends) // 2000)  # keep the counter track light
     for step, time in enumerate(result.step_ends[::stride]):
         out.append({"ph": "C", "name": "global step", "pid": _JOB, "ts": float(time) * us,

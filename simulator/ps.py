@@ -57,11 +57,16 @@ def ps(env: simpy.Environment, server: ParameterServer, coordinator):
     A crash takes the task down for the downtime carried by the interrupt;
     the job loses every in-flight step and rolls back to the last checkpoint
     (see `Coordinator.job_failure`), then restores it once the task is back.
+    A crash beyond the task's restart budget ends the job instead.
     """
     while True:
         try:
             yield env.event()  # serving is done by workers holding `server.resource`
         except simpy.Interrupt as interrupt:
             server.up = False
-            yield from coordinator.job_failure(f"ps:{server.index}", interrupt.cause)
+            actor = f"ps:{server.index}"
+            if not coordinator.restart("ps", server.index):
+                coordinator.metrics.failures.append((env.now, actor, "crash", 0))
+                return
+            yield from coordinator.job_failure(actor, interrupt.cause)
             server.up = True

@@ -236,6 +236,10 @@ class FailuresSpec:
             restores the last checkpoint).
         coordinator_mtbf: mean seconds between coordinator failures.
         coordinator_restart_time: seconds the coordinator is down.
+        max_restarts: restarts allowed per worker or ps task, as `kerasps launch
+            --max-restarts`: `kerasps.restarts.RestartPolicy` decides, and the
+            crash after the last one ends the job (`Result.ended_by`). `None`:
+            unlimited. Permanent losses and coordinator crashes do not count.
         events: scripted failures.
     """
 
@@ -246,6 +250,7 @@ class FailuresSpec:
     ps_restart_time: float = 0.0
     coordinator_mtbf: float = math.inf
     coordinator_restart_time: float = 0.0
+    max_restarts: int | None = None
     events: tuple[FailureEvent, ...] = ()
 
 
@@ -519,6 +524,7 @@ def _parse_failures(t: Table, num_workers: int, num_ps: int) -> FailuresSpec:
         ps_restart_time=t.number("ps_restart_time", 0.0, non_negative=True),
         coordinator_mtbf=t.number("coordinator_mtbf", math.inf, positive=True, allow_inf=True),
         coordinator_restart_time=t.number("coordinator_restart_time", 0.0, non_negative=True),
+        max_restarts=t.integer("max_restarts", None, minimum=0),
         events=tuple(sorted(events, key=lambda e: e.time)),
     )
     t.finish()

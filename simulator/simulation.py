@@ -35,7 +35,8 @@ class Cluster:
         self.scenario = scenario
         self.env = env = simpy.Environment()
         self.metrics = Metrics(record_events)
-        self.coordinator = Coordinator(env, scenario.training, scenario.checkpoint, self.metrics)
+        self.coordinator = Coordinator(env, scenario.training, scenario.checkpoint, self.metrics,
+                                       scenario.failures.max_restarts)
         self.coordinator.min_members = scenario.elastic.min_workers
         self.coordinator.process = env.process(coordinator(env, self.coordinator))
         self.placement = place_variables(scenario.model, scenario.ps.count)
@@ -148,11 +149,13 @@ class Cluster:
             env.process(elastic.membership(env, self, e, self.rng(_ELASTIC_STREAM)))
 
     def run(self) -> Result:
-        """Runs until `training.steps` are kept, `training.max_time`, or a stall."""
+        """Runs until `training.steps` are kept, a spent restart budget ends the job,
+        `training.max_time`, or a stall."""
         self.start_failures()
         env, c = self.env, self.coordinator
         limit = self.scenario.training.max_time
-        until = c.done if math.isinf(limit) else env.any_of([c.done, env.timeout(limit)])
+        ends = [c.done, c.ended] + ([] if math.isinf(limit) else [env.timeout(limit)])
+        until = env.any_of(ends)
         try:
             with _collector_tuned_for_simulation():
                 env.run(until=until)
@@ -179,7 +182,8 @@ class Cluster:
             worker_steps=m.applied + m.dropped + m.lost, gradients_applied=m.applied,
             gradients_dropped=m.dropped, gradients_lost=m.lost, steps_lost=m.steps_lost,
             downtime=m.downtime, ps=ps_rows, failures=list(m.failures),
-            checkpoints=list(m.checkpoints), step_times=np.asarray(m.step_times),
+            checkpoints=list(m.checkpoints), restarts=dict(c.restarts.counts),
+            ended_by=m.ended_by, step_times=np.asarray(m.step_times),
             staleness=np.asarray(m.staleness, dtype=np.int64),
             step_ends=np.asarray(m.step_ends), events=m.events)
 

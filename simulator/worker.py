@@ -78,7 +78,9 @@ def worker(env: simpy.Environment, w: Worker, coordinator):
     """The worker's process: read variables, compute, push the gradient, repeat.
 
     Interrupts: `Cancel` (sync step done without it), `Abort` (the job
-    failed), `Crash` (down for a while, or for good), `Leave` (elastic).
+    failed), `Crash` (down for its restart delay if the restart policy
+    allows, else the job ends; or gone for good, and the job goes on without
+    it), `Leave` (elastic).
     """
     c = coordinator
     policy = c.policy
@@ -131,6 +133,8 @@ def worker(env: simpy.Environment, w: Worker, coordinator):
                 metrics.failures.append((env.now, f"worker:{w.index}", kind, 0))
                 if cause.permanent:
                     c.leave(w)
+                    return
+                if not c.restart("worker", w.index):
                     return
                 yield env.timeout(cause.downtime)
                 w.up = True

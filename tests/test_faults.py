@@ -369,3 +369,124 @@ def test_killed_coordinator_run_again_resumes_inside_the_epoch(tmp_path, corrupt
         assert iterations >= 200
     finally:
         job.close()
+
+
+# TensorFlow's own fault-tolerance scenarios (`fault_tolerance_test_base.py`), on a custom
+# loop and on `fit`, with real processes. The test drives the chief through flag files.
+SCENARIOS_CHIEF = """
+    import itertools, pathlib, sys, time
+    import keras, numpy as np, tensorflow as tf, kerasps
+
+    flags = pathlib.Path(sys.argv[1])
+
+    def say(*words):
+        print(*words, flush=True)
+
+    def wait_for_flag(name):
+        deadline = time.monotonic() + 240
+        while not (flags / name).exists():
+            assert time.monotonic() < deadline, f"no flag {name}"
+            time.sleep(0.05)
+
+    strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config())
+    coordinator = kerasps.ClusterCoordinator(strategy)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(1)])
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        counter = keras.Variable(0, dtype="int64", trainable=False)
+
+    def dataset_fn(context):
+        x = tf.random.stateless_uniform((256, 4), [1, context.input_pipeline_id])
+        y = tf.reduce_sum(x, axis=1, keepdims=True)
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)
+
+    @tf.function
+    def step(iterator):
+        x, _ = next(iterator)
+        counter.assign_add(1)
+        return tf.reduce_sum(model(x))
+
+    # 1. Dataset creation on a worker that is down: its pipeline is built when it is back.
+    say("creating datasets")
+    wait_for_flag("worker-1-down")
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    results = [coordinator.schedule(step, args=(iterator,)) for _ in range(60)]
+    coordinator.join()
+    say("created", len([r.fetch() for r in results]), int(counter.numpy()))
+
+    # 2. Two workers preempted at once mid-loop: results of functions that finished before
+    # are fetched after the failure, and so are variables on the ps.
+    before = [coordinator.schedule(step, args=(iterator,)) for _ in range(20)]
+    coordinator.join()
+    results = [coordinator.schedule(step, args=(iterator,)) for _ in range(150)]
+    say("scheduled", len(results))
+    wait_for_flag("both-workers-killed")
+    fetched = [r.fetch() for r in before]  # after the failure
+    say("fetched after failure", len(fetched), bool(np.isfinite(model.layers[0].kernel.numpy()).all()))
+    coordinator.join()
+    say("two preempted", len([r.fetch() for r in results]), int(counter.numpy()))
+
+    # 3. A worker failing again and again mid-fit.
+    trained = itertools.count(1)
+    progress = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: say("train batch", next(trained)))
+    history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=3, steps_per_epoch=50,
+                        verbose=0, callbacks=[progress])
+    say("continuous failures", int(model.optimizer.iterations.numpy()),
+        sum(history.history["reexecuted_steps"]))
+"""
+
+
+def test_tensorflow_fault_tolerance_scenarios_on_a_custom_loop_and_fit(tmp_path):
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    job = launch(tmp_path, SCENARIOS_CHIEF, "--workers", "2", "--ps", "1", "--max-restarts", "9",
+                 args=[str(flags)])
+
+    def kill_and_wait_for_restart(task):
+        restarts = len(job.pids.get(task, []))
+        job.kill(task)
+        assert wait_until(lambda: len(job.pids[task]) > restarts, timeout=120), job.output()
+
+    try:
+        job.wait_for(r"\[chief 0\] creating datasets")
+        job.kill("worker 1")
+        (flags / "worker-1-down").touch()
+        created = job.wait_for(r"\[chief 0\] created (\d+) (\d+)")
+        assert created.groups() == ("60", "60")
+        assert len(job.pids["worker 1"]) == 2  # restarted, and its pipeline was built
+
+        job.wait_for(r"\[chief 0\] scheduled 150")
+        job.kill("worker 0")
+        job.kill("worker 1")
+        (flags / "both-workers-killed").touch()
+        fetched = job.wait_for(r"\[chief 0\] fetched after failure (\d+) (\w+)")
+        assert fetched.groups() == ("20", "True")
+        done = job.wait_for(r"\[chief 0\] two preempted (\d+) (\d+)")
+        assert int(done.group(1)) == 150 and int(done.group(2)) >= 230
+
+        for at in (10, 40, 70):  # worker 0 dies again each time it is back
+            job.wait_for(rf"\[chief 0\] train batch {at}$")
+            kill_and_wait_for_restart("worker 0")
+        continuous = job.wait_for(r"\[chief 0\] continuous failures (\d+) (\d+)")
+        assert int(continuous.group(1)) == 150 + int(continuous.group(2))
+        assert job.finish() == 0, job.output()
+    finally:
+        job.close()
+
+
+def test_ps_lost_while_a_worker_failure_is_being_recovered(tmp_path):
+    job = launch(tmp_path, PS_RECOVERY_CHIEF, "--workers", "2", "--ps", "1", "--max-restarts",
+                 "2", args=[str(tmp_path / "backup")])
+    try:
+        job.wait_for(r"\[chief 0\] train batch 75$")
+        job.kill("worker 1")
+        job.kill("ps 0")
+        iterations = int(job.wait_for(r"\[chief 0\] iterations (\d+)").group(1))
+        reexecuted = int(job.wait_for(r"\[chief 0\] reexecuted (\d+)").group(1))
+        rolled_back = int(job.wait_for(r"\[chief 0\] rolled back (\d+)").group(1))
+        assert job.finish() == 0, job.output()
+        assert iterations == 200 + reexecuted and 0 < rolled_back <= 10
+    finally:
+        job.close()

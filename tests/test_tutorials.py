@@ -75,3 +75,36 @@ def test_parameter_server_tutorial_predicts_in_input_order(ps_tutorial):
     assert "predictions: (2000, 1)" in text
     difference = float(re.search(r"largest difference from a direct call: (\S+)", text).group(1))
     assert difference < 1e-5
+
+
+FAILURES_TUTORIAL = "03_failures_and_recovery.ipynb"
+
+
+@pytest.fixture(scope="module")
+def failures_tutorial():
+    return run_notebook(FAILURES_TUTORIAL, timeout=600)
+
+
+@pytest.mark.notebook
+@pytest.mark.slow
+def test_failures_tutorial_recovers_a_killed_worker_and_ps_inside_fit(failures_tutorial):
+    assert "chief exit code: 0" in _stdout_of(failures_tutorial, "kill-worker-and-ps")
+    text = _stdout_of(failures_tutorial, "recovery-report")
+    assert re.search(r"worker 1 exited with signal 9 \(SIGKILL\); restart 1 of 3", text)
+    assert re.search(r"ps 0 exited with signal 9 \(SIGKILL\); restart 1 of 3", text)
+    assert "lost their variables" in text
+    steps = int(re.search(r"optimizer steps (\d+)", text).group(1))
+    reexecuted = int(re.search(r"re-executed (\d+)", text).group(1))
+    rolled_back = int(re.search(r"rolled back (\d+)", text).group(1))
+    assert steps == 180 + reexecuted and 0 < rolled_back <= 10
+    assert math.isfinite(float(re.search(r"final loss (\S+)", text).group(1)))
+
+
+@pytest.mark.notebook
+@pytest.mark.slow
+def test_failures_tutorial_resumes_a_killed_coordinator_inside_the_epoch(failures_tutorial):
+    text = _stdout_of(failures_tutorial, "coordinator-restart")
+    assert "second run exit code: 0" in text
+    step = int(re.search(r"latest backup: epoch \d step (\d+)", text).group(1))
+    assert step > 0  # inside an epoch
+    assert "steps before the backup + steps of the second run: 180" in text

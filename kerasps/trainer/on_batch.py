@@ -28,7 +28,9 @@ def _run_on_batch(model, kind, data):
             return _keras.reduce_per_replica(outputs, strategy, reduction=reduction)
 
         function = cache[f"{kind}_on_batch"] = tf.function(on_batch, reduce_retracing=True)
-    return coordinator.fetch(coordinator.schedule(function, args=(data,)))
+    remote = coordinator.schedule(function, args=(data,))
+    coordinator.join()  # raises this call's error, and clears it for the next call
+    return coordinator.fetch(remote)
 
 
 def _batch_data(x, y, sample_weight):

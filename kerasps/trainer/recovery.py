@@ -46,6 +46,8 @@ from kerasps.trainer.steps import forget_step_functions
 PS_RECOVERY_TIMEOUT = 600.0
 _PROGRESS = "kerasps_progress"
 
+_log = logging.getLogger("kerasps")
+
 
 class Backup:
     """The `BackupAndRestore` callback of a `fit` call, with kerasps' progress record.
@@ -102,7 +104,7 @@ class Backup:
         except OSError:
             if not os.path.exists(self.previous):
                 raise
-            logging.warning("The latest backup %s is unreadable; restoring the previous one.",
+            _log.warning("The latest backup %s is unreadable; restoring the previous one.",
                             self.latest)
             shutil.copyfile(self.previous, self.latest)
             model.load_weights(self.latest)
@@ -165,7 +167,7 @@ def recover(error, model, backup: Backup | None, epoch: int, finished: int) -> P
         raise PsTaskFailedError(lost[0], "fit") from error
     progress = restore_lost_state(model, backup, lost)
     rerun = failures.steps_rolled_back(progress, epoch, finished)
-    logging.warning(
+    _log.warning(
         "ps task(s) %s lost their variables at epoch %d step %d; restored the backup of "
         "step %d: %d step(s) run again.", ", ".join(map(str, lost)), epoch + 1, finished,
         progress.step, rerun)
@@ -195,7 +197,7 @@ def restore_lost_state(model, backup: Backup, ps_tasks) -> Progress:
     for variable in others:  # e.g. random seed states, which backups do not hold
         variable.assign(tf.zeros(variable.shape, variable.dtype))
     if others:
-        logging.warning("Not in the backup, set to zeros: %s",
+        _log.warning("Not in the backup, set to zeros: %s",
                         ", ".join(v.path for v in others))
     forget_step_functions(model)
     return progress

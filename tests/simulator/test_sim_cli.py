@@ -92,6 +92,7 @@ def test_python_m_simulator_runs_a_shipped_scenario_without_tensorflow(tmp_path)
         "except SystemExit as e:\n"
         "    assert e.code == 0, e.code\n"
         "import simulator.calibrate, simulator.plots, kerasps.placement, kerasps.trace\n"
+        "import kerasps.restarts\n"
         "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n"
         "assert 'keras' not in sys.modules, 'keras was imported'\n"
         "print('NO_TF_OK')\n"
