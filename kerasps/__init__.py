@@ -32,11 +32,14 @@ _LAZY = {
     "ShardedVariable": "kerasps.variables",
     "PsTaskFailedError": "kerasps.failures",
     "TaskFailedError": "kerasps.launch",
+    "SidecarEvaluator": "kerasps.evaluator",
     "cluster": None,
     "partitioners": None,
     "placement": None,
     "trace": None,
+    "sparse": None,
     "callbacks": None,
+    "evaluator": None,
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

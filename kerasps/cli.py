@@ -2,7 +2,7 @@
 
     kerasps demo [--workers N] [--ps N] [--epochs N] [--steps-per-epoch N]
     kerasps serve            # run this worker/ps task of the cluster in $TF_CONFIG
-    kerasps launch [--workers N] [--ps N] [--max-restarts K] [--gpus-per-worker G]
+    kerasps launch [--workers N] [--ps N] [--max-restarts K] [--gpus-per-worker G] [--evaluator]
                    [--emit k8s --image IMAGE [--name NAME] [--output-dir DIR]]
                    script.py [args ...]
     kerasps --version
@@ -63,9 +63,12 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("--workers", type=_positive, default=2, help="worker tasks (default 2)")
     launch.add_argument("--ps", type=_positive, default=1, help="ps tasks (default 1)")
     launch.add_argument("--max-restarts", type=_non_negative, default=3,
-                        help="restarts allowed per worker or ps task (default 3)")
+                        help="restarts allowed per worker, ps or evaluator task (default 3)")
     launch.add_argument("--gpus-per-worker", type=_positive, default=None,
                         help="GPUs per worker, split through CUDA_VISIBLE_DEVICES")
+    launch.add_argument("--evaluator", action="store_true",
+                        help="also run the script as task `evaluator 0` for side-car evaluation "
+                             "(kerasps.SidecarEvaluator)")
     launch.add_argument("--emit", choices=["k8s"], default=None,
                         help="write a Kubeflow TFJob and a plain Kubernetes manifest, run nothing")
     launch.add_argument("--image", help="container image holding kerasps and the script "
@@ -96,7 +99,7 @@ def _launch(args) -> int:
         return 2
     spec = launch.LaunchSpec(program=tuple(args.program), workers=args.workers, ps=args.ps,
                              max_restarts=args.max_restarts,
-                             gpus_per_worker=args.gpus_per_worker)
+                             gpus_per_worker=args.gpus_per_worker, evaluator=args.evaluator)
     if args.emit is None:
         return launch.Launcher(spec).run()
     from kerasps import manifests

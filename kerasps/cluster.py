@@ -27,6 +27,7 @@ from kerasps._validation import positive_int
 __all__ = [
     "in_process",
     "from_tf_config",
+    "task_type",
     "serve",
     "parse_tf_config",
     "start_server",
@@ -257,6 +258,30 @@ def from_tf_config(tf_config: str | None = None):
         task_id=parsed["task_index"],
         rpc_layer="grpc",
     )
+
+
+def task_type(tf_config: str | None = None) -> str | None:
+    """Returns this process's task type in `TF_CONFIG`, so that one script can play every part:
+
+        if kerasps.cluster.task_type() == "evaluator":
+            kerasps.SidecarEvaluator(model, data, checkpoint_dir).run()
+        else:
+            strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config())
+            ...
+
+    Args:
+        tf_config: the JSON text; defaults to the `TF_CONFIG` environment variable.
+
+    Returns:
+        `"chief"`, `"worker"`, `"ps"` or `"evaluator"`; `None` when `TF_CONFIG` is not
+        set (or names no task).
+
+    Raises:
+        ValueError: if `TF_CONFIG` is malformed.
+    """
+    if tf_config is None and not os.environ.get("TF_CONFIG"):
+        return None
+    return _read_tf_config(tf_config)["task_type"]
 
 
 def serve(tf_config: str | None = None):

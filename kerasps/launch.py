@@ -10,6 +10,16 @@ agent watches every process: a worker or ps task that exits is started again
 on the same address while its restart budget lasts (`kerasps.restarts` holds
 that policy); the chief's exit, Ctrl-C or SIGTERM ends every process.
 
+With `--evaluator`, one more process runs the same script as task `evaluator 0`
+(its `TF_CONFIG` names the training cluster without it, as TensorFlow's does), for
+side-car evaluation (`kerasps.SidecarEvaluator`). The agent restarts it when it
+fails and leaves it down once it exits with status 0. When the chief exits with
+status 0 the workers and ps tasks are stopped, the evaluator is told that training
+finished (through the file named by `$KERASPS_TRAINING_FINISHED`) and the job ends
+when it has exited, so that it evaluates the last checkpoint; an evaluator that
+never stops keeps the job running until Ctrl-C. Any other exit of the chief ends
+the evaluator with the rest.
+
 When a budget is spent the job ends: the launcher tells the chief why (the
 chief's `kerasps.cluster.from_tf_config()` turns that into a
 `kerasps.launch.TaskFailedError` naming the task and its exit code), stops
@@ -24,6 +34,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,10 +46,13 @@ from kerasps import restarts as restarts_lib
 from kerasps._validation import positive_int
 
 __all__ = ["LaunchSpec", "Task", "Launcher", "TaskFailedError", "make_cluster", "tf_config",
-           "install_chief_handler", "REPORT_ENV"]
+           "install_chief_handler", "runs_program", "REPORT_ENV", "TRAINING_FINISHED_ENV"]
 
 # Where the launcher writes why it is ending the job, for the chief to read.
 REPORT_ENV = "KERASPS_LAUNCH_REPORT"
+# A file the launcher creates when the chief has exited with status 0, for the evaluator.
+TRAINING_FINISHED_ENV = "KERASPS_TRAINING_FINISHED"
+_REPORT_FILE, _FINISHED_FILE = "report.txt", "training_finished"  # in the launcher's scratch dir
 # Seconds a process gets to exit after SIGTERM before it is killed.
 GRACE_PERIOD = 10.0
 POLL_INTERVAL = 0.05
@@ -50,7 +64,7 @@ class TaskFailedError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """One task of the cluster: `type` is `"chief"`, `"worker"` or `"ps"`."""
+    """One task of the job: `type` is `"chief"`, `"worker"`, `"ps"` or `"evaluator"`."""
 
     type: str
     index: int
@@ -68,11 +82,12 @@ class LaunchSpec:
         program: the chief's script and its arguments (`("train.py", "--epochs", "5")`).
         workers: worker tasks.
         ps: ps tasks.
-        max_restarts: restarts allowed per worker or ps task.
+        max_restarts: restarts allowed per worker, ps or evaluator task.
         gpus_per_worker: GPUs given to each worker through
             `CUDA_VISIBLE_DEVICES` (worker `i` gets GPUs `i*G .. i*G+G-1`; the
             chief and ps tasks get none); `None` leaves the variable alone.
         host: the address the tasks listen on.
+        evaluator: also run the program as task `evaluator 0`, beside the cluster.
     """
 
     program: tuple
@@ -81,6 +96,7 @@ class LaunchSpec:
     max_restarts: int = 3
     gpus_per_worker: int | None = None
     host: str = "localhost"
+    evaluator: bool = False
 
     def __post_init__(self):
         positive_int("workers", self.workers)
@@ -91,15 +107,20 @@ class LaunchSpec:
             raise ValueError("Invalid value for argument `program`: expected the chief's "
                              f"script and its arguments. Received: program={self.program!r}")
         object.__setattr__(self, "program", tuple(self.program))
+        if not isinstance(self.evaluator, bool):
+            raise ValueError("Invalid value for argument `evaluator`: expected True or False. "
+                             f"Received: evaluator={self.evaluator!r}")
 
     @property
     def tasks(self) -> list[Task]:
         return ([Task("ps", i) for i in range(self.ps)]
-                + [Task("worker", i) for i in range(self.workers)] + [Task("chief", 0)])
+                + [Task("worker", i) for i in range(self.workers)] + [Task("chief", 0)]
+                + [Task("evaluator", 0)] * self.evaluator)
 
 
 def make_cluster(spec: LaunchSpec, pick_port=None) -> dict:
-    """`{"chief": [...], "worker": [...], "ps": [...]}` with a free port per task."""
+    """`{"chief": [...], "worker": [...], "ps": [...]}` with a free port per task (the
+    evaluator serves nothing and has no address)."""
     if pick_port is None:
         import portpicker
 
@@ -112,18 +133,25 @@ def tf_config(cluster: dict, task: Task) -> str:
     return json.dumps({"cluster": cluster, "task": {"type": task.type, "index": task.index}})
 
 
+def runs_program(task_type: str) -> bool:
+    """Whether a task of `task_type` runs the program (the others run `kerasps serve`)."""
+    return task_type in (restarts_lib.PROGRAM_TYPE, restarts_lib.SIDECAR_TYPE)
+
+
 def _command(spec: LaunchSpec, task: Task) -> list[str]:
-    if task.type == "chief":
+    if runs_program(task.type):
         return [sys.executable, *spec.program]
     return [sys.executable, "-m", "kerasps.cli", "serve"]
 
 
-def _environment(spec: LaunchSpec, cluster: dict, task: Task, base: dict, report: str) -> dict:
+def _environment(spec: LaunchSpec, cluster: dict, task: Task, base: dict, scratch: str) -> dict:
     env = dict(base)
     env["TF_CONFIG"] = tf_config(cluster, task)
     env["PYTHONUNBUFFERED"] = "1"  # prefixed output arrives line by line
     if task.type == "chief":
-        env[REPORT_ENV] = report
+        env[REPORT_ENV] = os.path.join(scratch, _REPORT_FILE)
+    elif task.type == "evaluator":
+        env[TRAINING_FINISHED_ENV] = os.path.join(scratch, _FINISHED_FILE)
     if spec.gpus_per_worker is not None:
         if task.type == "worker":
             first = task.index * spec.gpus_per_worker
@@ -148,13 +176,15 @@ def _die_with_launcher():
 
 
 class _Process:
-    """One task's current OS process, its restarts and its output pump."""
+    """One task's current OS process, its restarts and its output pump; `done` once the
+    agent no longer watches it."""
 
     def __init__(self, task: Task):
         self.task = task
         self.popen: subprocess.Popen | None = None
         self.restarts = 0
         self.pump: threading.Thread | None = None
+        self.done = False
 
 
 class Launcher:
@@ -177,7 +207,7 @@ class Launcher:
         self._stop = threading.Event()
         self._stop_reason = None
         self._processes: dict[Task, _Process] = {}
-        self._report = None
+        self._scratch = None  # the report for the chief, the training-finished flag
 
     # -- output ------------------------------------------------------------------------
     def _say(self, line: str):
@@ -197,7 +227,7 @@ class Launcher:
     # -- processes ---------------------------------------------------------------------
     def _start(self, process: _Process):
         task = process.task
-        env = _environment(self.spec, self.cluster, task, self._base_env, self._report)
+        env = _environment(self.spec, self.cluster, task, self._base_env, self._scratch)
         process.popen = subprocess.Popen(
             _command(self.spec, task), env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
@@ -206,8 +236,8 @@ class Launcher:
                                         name=f"kerasps-launch-{task.type}-{task.index}",
                                         daemon=True)
         process.pump.start()
-        address = self.cluster[task.type][task.index]
-        self._say(f"started {task.name} at {address} (pid {process.popen.pid})")
+        where = f" at {self.cluster[task.type][task.index]}" if task.type in self.cluster else ""
+        self._say(f"started {task.name}{where} (pid {process.popen.pid})")
 
     def request_stop(self, reason: str = "stopped"):
         """Ends the job from another thread or a signal handler."""
@@ -224,8 +254,7 @@ class Launcher:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 handlers[signum] = signal.signal(signum, self._signal_handler)
-        fd, self._report = tempfile.mkstemp(prefix="kerasps-launch-", suffix=".txt")
-        os.close(fd)
+        self._scratch = tempfile.mkdtemp(prefix="kerasps-launch-")
         try:
             for task in self.spec.tasks:
                 self._processes[task] = _Process(task)
@@ -235,12 +264,13 @@ class Launcher:
             self._shutdown()
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
-            os.unlink(self._report)
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _supervise(self) -> int:
+        status = None  # the chief's, once it exited with 0 and the evaluator still runs
         while not self._stop.wait(POLL_INTERVAL):
             for process in self._processes.values():
-                code = process.popen.poll()
+                code = None if process.done else process.popen.poll()
                 if code is None:
                     continue
                 decision = self.policy.decide(process.task.type, process.task.index, code,
@@ -250,19 +280,42 @@ class Launcher:
                     process.restarts += 1
                     process.pump.join()
                     self._start(process)
+                elif decision.action is restarts_lib.Action.DONE:
+                    self._say(decision.reason)
+                    process.done = True
                 elif decision.action is restarts_lib.Action.FINISH:
                     self._say(decision.reason)
-                    return code if code >= 0 else 128 - code
+                    process.done = True
+                    status = code if code >= 0 else 128 - code
+                    if code != 0 or not self._finish_training():
+                        return status
                 else:
                     self._say(f"ending the job: {decision.reason}")
                     self._fail_chief(decision.reason)
                     return 1
+            if status is not None and all(p.done for p in self._processes.values()):
+                return status
         self._say(f"ending the job: {self._stop_reason}")
         return 130 if "SIGINT" in (self._stop_reason or "") else 143
 
+    def _finish_training(self) -> bool:
+        """After the chief's success: stops the servers and tells a running evaluator that
+        training finished. Returns whether the job waits for the evaluator."""
+        evaluator = self._processes.get(Task("evaluator", 0))
+        if evaluator is None or evaluator.done:
+            return False
+        servers = [p for p in self._processes.values() if not runs_program(p.task.type)]
+        self._stop_processes(servers)
+        for process in servers:
+            process.done = True
+        with open(os.path.join(self._scratch, _FINISHED_FILE), "w") as f:
+            f.write("the chief exited with status 0\n")
+        self._say("training finished; waiting for evaluator 0 to evaluate the last checkpoint")
+        return True
+
     def _fail_chief(self, reason: str):
         """Tells the chief why the job ends; its handler raises `TaskFailedError`."""
-        with open(self._report, "w") as f:
+        with open(os.path.join(self._scratch, _REPORT_FILE), "w") as f:
             f.write(reason)
         chief = self._processes[Task("chief", 0)].popen
         if chief.poll() is None:
@@ -273,8 +326,18 @@ class Launcher:
                 pass
 
     def _shutdown(self):
-        """SIGTERM to every remaining process group, SIGKILL after the grace period."""
-        alive = [p for p in self._processes.values() if p.popen and p.popen.poll() is None]
+        """Stops every process, and whatever is left of their process groups."""
+        self._stop_processes(self._processes.values())
+        for process in self._processes.values():
+            if process.popen is not None:
+                _signal_group(process.popen, signal.SIGKILL)  # leftovers of the task's group
+            if process.pump is not None:
+                process.pump.join(timeout=GRACE_PERIOD)
+
+    @staticmethod
+    def _stop_processes(processes):
+        """SIGTERM to the process groups of `processes`, SIGKILL after the grace period."""
+        alive = [p for p in processes if p.popen and p.popen.poll() is None]
         for process in alive:
             _signal_group(process.popen, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_PERIOD
@@ -284,11 +347,6 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 _signal_group(process.popen, signal.SIGKILL)
                 process.popen.wait()
-        for process in self._processes.values():
-            if process.popen is not None:
-                _signal_group(process.popen, signal.SIGKILL)  # leftovers of the task's group
-            if process.pump is not None:
-                process.pump.join(timeout=GRACE_PERIOD)
 
 
 def _signal_group(popen: subprocess.Popen, signum):

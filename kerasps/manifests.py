@@ -10,8 +10,14 @@ Two flavours of the same job:
   place, on the same address) and a `batch/v1` `Job` for the chief, each with
   its `TF_CONFIG` written out.
 
+With `evaluator=True` in the spec, the TFJob gets an `Evaluator` replica and the
+plain manifest a `Pod` for task `evaluator 0` (`restartPolicy: OnFailure`: it
+stays down once it has finished; no `Service`, it serves nothing). The chief and
+the evaluator must share the checkpoint directory (a volume you add).
+
 The image must hold kerasps and the script; servers run `kerasps serve`, the
-chief `python <script> <args>`. Pure Python (PyYAML writes the files).
+chief and the evaluator `python <script> <args>`. Pure Python (PyYAML writes the
+files).
 """
 
 from __future__ import annotations
@@ -21,12 +27,16 @@ import re
 
 import yaml
 
-from kerasps.launch import LaunchSpec, tf_config
+from kerasps.launch import LaunchSpec, runs_program, tf_config
 
 __all__ = ["tfjob", "kubernetes", "job_name", "dump", "tf_config_of", "PORT"]
 
 PORT = 2222  # TFJob's default port for every task
-_REPLICA_TYPES = {"chief": "Chief", "worker": "Worker", "ps": "PS"}
+_REPLICA_TYPES = {"chief": "Chief", "worker": "Worker", "ps": "PS", "evaluator": "Evaluator"}
+# Servers come back on failure and success alike; the chief runs once; the evaluator
+# is restarted when it fails only.
+_RESTART_POLICIES = {"chief": "Never", "worker": "OnFailure", "ps": "OnFailure",
+                     "evaluator": "OnFailure"}
 
 
 def job_name(text: str) -> str:
@@ -39,7 +49,7 @@ def job_name(text: str) -> str:
 
 
 def _container(spec: LaunchSpec, task_type: str, image: str, env=None) -> dict:
-    command = (["python", *spec.program] if task_type == "chief" else ["kerasps", "serve"])
+    command = (["python", *spec.program] if runs_program(task_type) else ["kerasps", "serve"])
     container = {"name": "tensorflow", "image": image, "command": command,
                  "ports": [{"name": "tfjob-port", "containerPort": PORT}]}
     if env:
@@ -52,13 +62,15 @@ def _container(spec: LaunchSpec, task_type: str, image: str, env=None) -> dict:
 def tfjob(spec: LaunchSpec, name: str, image: str) -> dict:
     """A Kubeflow `TFJob` for `spec`."""
     name = job_name(name)
+    counts = {"chief": 1, "worker": spec.workers, "ps": spec.ps, "evaluator": int(spec.evaluator)}
     replicas = {}
-    for task_type, count in (("chief", 1), ("worker", spec.workers), ("ps", spec.ps)):
-        replicas[_REPLICA_TYPES[task_type]] = {
-            "replicas": count,
-            "restartPolicy": "Never" if task_type == "chief" else "OnFailure",
-            "template": {"spec": {"containers": [_container(spec, task_type, image)]}},
-        }
+    for task_type, count in counts.items():
+        if count:
+            replicas[_REPLICA_TYPES[task_type]] = {
+                "replicas": count,
+                "restartPolicy": _RESTART_POLICIES[task_type],
+                "template": {"spec": {"containers": [_container(spec, task_type, image)]}},
+            }
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "TFJob",
@@ -70,7 +82,7 @@ def tfjob(spec: LaunchSpec, name: str, image: str) -> dict:
 
 def kubernetes(spec: LaunchSpec, name: str, image: str) -> list[dict]:
     """Plain Kubernetes objects for `spec`: a Service and a Pod per server, a Job for the
-    chief."""
+    chief, a Pod for the evaluator."""
     name = job_name(name)
     tasks = spec.tasks
     host = {t: f"{name}-{t.type}-{t.index}" for t in tasks}
@@ -79,12 +91,13 @@ def kubernetes(spec: LaunchSpec, name: str, image: str) -> list[dict]:
     objects = []
     for task in tasks:
         labels = {"app.kubernetes.io/name": name, "kerasps/task": host[task]}
-        objects.append({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": host[task], "labels": labels},
-            "spec": {"clusterIP": "None", "selector": labels,
-                     "ports": [{"name": "tfjob-port", "port": PORT}]},
-        })
+        if task.type in cluster:
+            objects.append({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": host[task], "labels": labels},
+                "spec": {"clusterIP": "None", "selector": labels,
+                         "ports": [{"name": "tfjob-port", "port": PORT}]},
+            })
         container = _container(spec, task.type, image, env={"TF_CONFIG": tf_config(cluster, task)})
         if task.type == "chief":
             objects.append({
@@ -98,7 +111,9 @@ def kubernetes(spec: LaunchSpec, name: str, image: str) -> list[dict]:
             objects.append({
                 "apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": host[task], "labels": labels},
-                "spec": {"restartPolicy": "Always", "containers": [container]},
+                "spec": {"restartPolicy": ("Always" if task.type in cluster
+                                           else _RESTART_POLICIES[task.type]),
+                         "containers": [container]},
             })
     return objects
 

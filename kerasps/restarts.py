@@ -4,7 +4,9 @@
 what to do each time a process ends; the simulator can ask the same
 questions of its simulated tasks. The budget is per task: each worker and ps
 task may be restarted `max_restarts` times on its own address (as Kubernetes
-restarts a pod's container in place); one more exit ends the job.
+restarts a pod's container in place); one more exit ends the job. The side-car
+`evaluator` is restarted like them when it fails; when it exits with status 0 it
+has finished its work and stays down while training goes on.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ __all__ = ["Action", "Decision", "RestartPolicy", "describe_exit"]
 # Task types whose processes are servers (restartable) and the one running the program.
 SERVER_TYPES = ("worker", "ps")
 PROGRAM_TYPE = "chief"
+SIDECAR_TYPE = "evaluator"  # runs the program beside the training cluster
 
 
 class Action(enum.Enum):
     RESTART = "restart"  # start the task again on the same address
     END_JOB = "end_job"  # stop every task; the job failed
     FINISH = "finish"  # the chief is done: stop every task, exit with its code
+    DONE = "done"  # the evaluator is done: leave it down, the job goes on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +52,10 @@ def describe_exit(exit_code: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class RestartPolicy:
-    """Restarts failed server tasks within a budget.
+    """Restarts failed server tasks and the evaluator within a budget.
 
     Attributes:
-        max_restarts: restarts allowed per worker or ps task (0: none).
+        max_restarts: restarts allowed per worker, ps or evaluator task (0: none).
     """
 
     max_restarts: int = 3
@@ -63,16 +67,19 @@ class RestartPolicy:
         """What to do now that task `task_type:index` exited with `exit_code`.
 
         Args:
-            task_type: `"chief"`, `"worker"` or `"ps"`.
+            task_type: `"chief"`, `"worker"`, `"ps"` or `"evaluator"`.
             index: the task's index within its type.
             exit_code: the process's return code (negative: killed by a signal).
             restarts: how many times this task was already restarted.
         """
         if task_type == PROGRAM_TYPE:
             return Decision(Action.FINISH, f"chief finished with {describe_exit(exit_code)}")
-        if task_type not in SERVER_TYPES:
+        if task_type not in SERVER_TYPES + (SIDECAR_TYPE,):
             raise ValueError(f"Invalid value for argument `task_type`: expected one of "
-                             f"{(PROGRAM_TYPE,) + SERVER_TYPES}. Received: task_type={task_type!r}")
+                             f"{(PROGRAM_TYPE,) + SERVER_TYPES + (SIDECAR_TYPE,)}. "
+                             f"Received: task_type={task_type!r}")
+        if task_type == SIDECAR_TYPE and exit_code == 0:
+            return Decision(Action.DONE, f"{task_type} {index} finished")
         what = f"{task_type} {index} exited with {describe_exit(exit_code)}"
         if restarts < self.max_restarts:
             return Decision(Action.RESTART,

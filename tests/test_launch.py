@@ -1,5 +1,6 @@
 """`kerasps launch` without processes: the restart policy, specs, Kubernetes manifests."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -28,6 +29,14 @@ def test_the_chiefs_exit_finishes_the_job_whatever_its_code():
     assert policy.decide("chief", 0, 3, restarts=0).action is Action.FINISH
 
 
+def test_the_evaluator_is_restarted_when_it_fails_and_left_down_when_it_is_done():
+    policy = RestartPolicy(max_restarts=1)
+    done = policy.decide("evaluator", 0, 0, restarts=0)
+    assert done.action is Action.DONE and done.reason == "evaluator 0 finished"
+    assert policy.decide("evaluator", 0, -9, restarts=0).action is Action.RESTART
+    assert policy.decide("evaluator", 0, 1, restarts=1).action is Action.END_JOB
+
+
 def test_exit_descriptions_name_signals_and_codes():
     assert describe_exit(-15) == "signal 15 (SIGTERM)"
     assert describe_exit(2) == "exit code 2"
@@ -36,7 +45,7 @@ def test_exit_descriptions_name_signals_and_codes():
 @pytest.mark.parametrize("kwargs, name", [
     (dict(max_restarts=-1), "max_restarts"), (dict(workers=0), "workers"),
     (dict(ps=1.5), "ps"), (dict(gpus_per_worker=0), "gpus_per_worker"),
-    (dict(program=()), "program")])
+    (dict(program=()), "program"), (dict(evaluator=1), "evaluator")])
 def test_bad_launch_specs_are_refused_naming_the_argument(kwargs, name):
     arguments = {"program": ("train.py",), **kwargs}
     with pytest.raises(ValueError, match=rf"argument `{name}`.*Received: {name}="):
@@ -44,12 +53,26 @@ def test_bad_launch_specs_are_refused_naming_the_argument(kwargs, name):
 
 
 def test_unknown_task_types_are_refused():
-    with pytest.raises(ValueError, match=r"argument `task_type`.*Received: task_type='evaluator'"):
-        RestartPolicy().decide("evaluator", 0, 1, 0)
+    with pytest.raises(ValueError, match=r"argument `task_type`.*Received: task_type='master'"):
+        RestartPolicy().decide("master", 0, 1, 0)
+
+
+def test_the_evaluator_runs_the_program_outside_the_cluster_it_is_told_about():
+    spec = launch.LaunchSpec(program=("train.py", "--lr", "1"), workers=2, ps=1, evaluator=True)
+    assert launch.Task("evaluator", 0) in spec.tasks
+    assert launch.Task("evaluator", 0) not in launch.LaunchSpec(program=("train.py",)).tasks
+    cluster = launch.make_cluster(spec, pick_port=iter(range(5000, 5100)).__next__)
+    assert set(cluster) == {"chief", "worker", "ps"}  # it serves nothing: no address
+    config = json.loads(launch.tf_config(cluster, launch.Task("evaluator", 0)))
+    parsed = cluster_lib.parse_tf_config(json.dumps(config))
+    assert (parsed["task_type"], parsed["task_index"]) == ("evaluator", 0)
+    assert parsed["cluster"] == cluster
+    assert launch._command(spec, launch.Task("evaluator", 0))[1:] == ["train.py", "--lr", "1"]
 
 
 SPEC = launch.LaunchSpec(program=("train.py", "--epochs", "3"), workers=3, ps=2, max_restarts=4,
                          gpus_per_worker=1)
+EVALUATED = dataclasses.replace(SPEC, evaluator=True)
 
 
 def test_tfjob_manifest_has_the_fields_the_tfjob_schema_requires():
@@ -75,6 +98,35 @@ def test_tfjob_manifest_has_the_fields_the_tfjob_schema_requires():
         "limits": {"nvidia.com/gpu": 1}}
 
 
+def test_tfjob_manifest_has_an_evaluator_replica_running_the_script():
+    replicas = yaml.safe_load(manifests.dump(manifests.tfjob(EVALUATED, "job", "img")))[
+        "spec"]["tfReplicaSpecs"]
+    assert set(replicas) == {"Chief", "Worker", "PS", "Evaluator"}
+    evaluator = replicas["Evaluator"]
+    assert evaluator["replicas"] == 1 and evaluator["restartPolicy"] == "OnFailure"
+    (container,) = evaluator["template"]["spec"]["containers"]
+    assert container["command"] == ["python", "train.py", "--epochs", "3"]
+    assert "resources" not in container  # GPUs go to workers
+
+
+def test_plain_kubernetes_manifest_runs_the_evaluator_in_a_pod_beside_the_cluster():
+    objects = list(yaml.safe_load_all(manifests.dump(manifests.kubernetes(EVALUATED, "job",
+                                                                           "img"))))
+    (pod,) = [o for o in objects if o["metadata"]["name"] == "job-evaluator-0"]
+    assert pod["kind"] == "Pod"
+    assert pod["spec"]["restartPolicy"] == "OnFailure"  # stays down once finished
+    (container,) = pod["spec"]["containers"]
+    assert container["command"] == ["python", "train.py", "--epochs", "3"]
+    config = manifests.tf_config_of(container)
+    assert config["task"] == {"type": "evaluator", "index": 0}
+    assert set(config["cluster"]) == {"chief", "worker", "ps"}
+    chief = next(o for o in objects if o["kind"] == "Job")
+    chief_config = manifests.tf_config_of(chief["spec"]["template"]["spec"]["containers"][0])
+    assert config["cluster"] == chief_config["cluster"]
+    assert not [o for o in objects if o["kind"] == "Service" and "evaluator" in
+                o["metadata"]["name"]]  # it serves nothing
+
+
 def test_plain_kubernetes_manifest_wires_every_task_with_a_valid_tf_config():
     objects = list(yaml.safe_load_all(manifests.dump(manifests.kubernetes(SPEC, "job", "img"))))
     services = {o["metadata"]["name"] for o in objects if o["kind"] == "Service"}
@@ -92,16 +144,29 @@ def test_plain_kubernetes_manifest_wires_every_task_with_a_valid_tf_config():
         assert pod_spec["restartPolicy"] == ("Never" if workload["kind"] == "Job" else "Always")
 
 
-def test_emit_writes_both_manifests_and_runs_nothing(tmp_path):
+def emit(output_dir, *argv):
+    """`kerasps launch --emit k8s --image img --output-dir output_dir *argv`, succeeding."""
     result = subprocess.run(
         [sys.executable, "-m", "kerasps.cli", "launch", "--emit", "k8s", "--image", "img",
-         "--workers", "2", "--output-dir", str(tmp_path), "my_train.py", "--lr", "0.1"],
-        capture_output=True, text=True, timeout=120)
+         "--output-dir", str(output_dir), *argv], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_emit_writes_both_manifests_and_runs_nothing(tmp_path):
+    emit(tmp_path, "--workers", "2", "my_train.py", "--lr", "0.1")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["my-train.k8s.yaml",
                                                          "my-train.tfjob.yaml"]
     job = yaml.safe_load((tmp_path / "my-train.tfjob.yaml").read_text())
     assert job["spec"]["tfReplicaSpecs"]["Worker"]["replicas"] == 2
+    assert "Evaluator" not in job["spec"]["tfReplicaSpecs"]
+
+
+def test_emit_with_evaluator_adds_it_to_both_manifests(tmp_path):
+    emit(tmp_path, "--evaluator", "train.py")
+    job = yaml.safe_load((tmp_path / "train.tfjob.yaml").read_text())
+    assert job["spec"]["tfReplicaSpecs"]["Evaluator"]["replicas"] == 1
+    objects = list(yaml.safe_load_all((tmp_path / "train.k8s.yaml").read_text()))
+    assert "train-evaluator-0" in {o["metadata"]["name"] for o in objects}
 
 
 @pytest.mark.parametrize("argv, message", [
