@@ -1,10 +1,8 @@
 """What a failure in the cluster means for a running call: pure Python, shared with the
 simulator.
 
-TensorFlow reports a lost task as an `UnavailableError` whose message names
-the remote device (`/job:ps/replica:0/task:1/device:CPU:0`). A lost worker
-is TensorFlow's to handle (it runs the function again elsewhere). A lost ps
-task takes its variables with it: `fit` with a
+A lost worker is TensorFlow's to handle (it runs the function again
+elsewhere). A lost ps task takes its variables with it: `fit` with a
 `keras.callbacks.BackupAndRestore` among its callbacks restores every
 variable from the latest backup once the task is back and goes on from the
 step the backup was written at; without one, and in `evaluate` and
@@ -15,12 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import re
 
-__all__ = ["PsTaskFailedError", "Progress", "Recovery", "decide", "failed_ps_task",
-           "steps_rolled_back"]
-
-_PS_DEVICE = re.compile(r"/job:ps/replica:\d+/task:(\d+)")
+__all__ = ["PsTaskFailedError", "Progress", "Recovery", "decide", "steps_rolled_back"]
 
 _HOW_TO_RECOVER = {
     "fit": ("Add `keras.callbacks.BackupAndRestore(backup_dir, save_freq=N)` to the callbacks "
@@ -98,16 +92,3 @@ def steps_rolled_back(backup: Progress, epoch: int, finished: int) -> int:
             f"Cannot go on from the latest backup: it was written at epoch {backup.epoch + 1} "
             f"step {backup.step}, but training was at epoch {epoch + 1} step {finished}.")
     return finished - backup.step
-
-
-def failed_ps_task(error_type: str, message: str) -> int | None:
-    """The ps task an error blames, or `None`.
-
-    Args:
-        error_type: the error's class name (`"UnavailableError"`, ...).
-        message: its message.
-    """
-    if error_type not in ("UnavailableError", "PSUnavailableError"):
-        return None
-    match = _PS_DEVICE.search(message or "")
-    return int(match.group(1)) if match else None

@@ -183,14 +183,3 @@ def test_negative_max_restarts_is_refused_by_the_command_line():
     result = subprocess.run([sys.executable, "-m", "kerasps.cli", "launch", "--max-restarts",
                              "-2", "train.py"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "expected an integer >= 0, received '-2'" in result.stderr
-
-
-@pytest.mark.parametrize("error_type, message, task", [
-    ("UnavailableError", "from remote target /job:ps/replica:0/task:2/device:CPU:0 while", 2),
-    ("UnavailableError", "from remote target /job:worker/replica:0/task:1 while", None),
-    ("InvalidArgumentError", "/job:ps/replica:0/task:0 bad shape", None),
-])
-def test_only_an_unavailable_ps_is_a_ps_failure(error_type, message, task):
-    from kerasps.failures import failed_ps_task
-
-    assert failed_ps_task(error_type, message) == task

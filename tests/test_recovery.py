@@ -1,0 +1,29 @@
+"""The recovery decisions of `fit` after a failure: pure Python, shared with the simulator."""
+
+import pytest
+
+from kerasps.failures import Progress, PsTaskFailedError, Recovery, decide, steps_rolled_back
+
+
+def test_only_lost_ps_state_is_recovered_and_only_from_a_backup():
+    assert decide([], has_backup=True) is None  # not a ps loss: the error is raised as is
+    assert decide([1], has_backup=True) is Recovery.RESTORE
+    assert decide([0, 1], has_backup=False) is Recovery.RAISE
+
+
+def test_steps_after_the_backup_run_again():
+    assert steps_rolled_back(Progress(epoch=2, step=40), epoch=2, finished=47) == 7
+    assert steps_rolled_back(Progress(epoch=2, step=0), epoch=2, finished=0) == 0
+
+
+@pytest.mark.parametrize("backup", [Progress(1, 40), Progress(2, 50)])
+def test_a_backup_from_another_epoch_or_ahead_cannot_be_gone_on_from(backup):
+    with pytest.raises(RuntimeError, match=r"written at epoch \d step \d+, but training was at "
+                                           r"epoch 3 step 47"):
+        steps_rolled_back(backup, epoch=2, finished=47)
+
+
+def test_the_error_names_the_task_and_how_to_recover():
+    assert "ps task 1 (/job:ps/replica:0/task:1)" in str(PsTaskFailedError(1, "fit"))
+    assert "BackupAndRestore(backup_dir, save_freq=N)" in str(PsTaskFailedError(1, "fit"))
+    assert "restore the model from a checkpoint" in str(PsTaskFailedError(0, "evaluate"))
