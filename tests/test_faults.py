@@ -18,17 +18,16 @@ from tests.launched import RunningJob, launch, process_gone, wait_until
 
 pytestmark = pytest.mark.slow
 
-# A chief that trains 6 x 50 steps, then evaluates 120 batches, then runs a custom
-# loop of 120 steps, printing progress so that the test can kill workers mid-call.
-TRAINING_CHIEF = """
-    import itertools
+# A chief training a small model on every worker's own stream, printing as it goes.
+CHIEF_SETUP = """
+    import itertools, sys
     import keras, tensorflow as tf, kerasps
 
     strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config())
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"),
                                   keras.layers.Dense(1)])
-        model.compile(keras.optimizers.SGD(0.01), "mse", metrics=["mae"])
+        model.compile(OPTIMIZER, "mse", metrics=["mae"])
 
     def dataset_fn(context):
         x = tf.random.stateless_uniform((256, 4), [1, context.input_pipeline_id])
@@ -38,6 +37,11 @@ TRAINING_CHIEF = """
     def say(*words):
         print(*words, flush=True)
 
+"""
+
+# A chief that trains 6 x 50 steps, then evaluates 120 batches, then runs a custom
+# loop of 120 steps, printing progress so that the test can kill workers mid-call.
+TRAINING_CHIEF = CHIEF_SETUP.replace("OPTIMIZER", "keras.optimizers.SGD(0.01)") + """
     trained = itertools.count(1)
     progress = keras.callbacks.LambdaCallback(  # "train batch N": N steps done in this fit
         on_train_batch_end=lambda batch, logs: say("train batch", next(trained)),
@@ -265,24 +269,7 @@ def test_ps_killed_mid_fit_raises_an_error_naming_the_ps_task(tmp_path):
         job.close()
 
 
-PS_RECOVERY_CHIEF = """
-    import itertools, sys
-    import keras, tensorflow as tf, kerasps
-
-    strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config())
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(1)])
-        model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"])
-
-    def dataset_fn(context):
-        x = tf.random.stateless_uniform((256, 4), [1, context.input_pipeline_id])
-        y = tf.reduce_sum(x, axis=1, keepdims=True)
-        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)
-
-    def say(*words):
-        print(*words, flush=True)
-
+PS_RECOVERY_CHIEF = CHIEF_SETUP.replace("OPTIMIZER", "keras.optimizers.Adam(0.01)") + """
     trained = itertools.count(1)
     progress = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: say("train batch", next(trained)))
@@ -373,14 +360,11 @@ def test_killed_coordinator_run_again_resumes_inside_the_epoch(tmp_path, corrupt
 
 # TensorFlow's own fault-tolerance scenarios (`fault_tolerance_test_base.py`), on a custom
 # loop and on `fit`, with real processes. The test drives the chief through flag files.
-SCENARIOS_CHIEF = """
-    import itertools, pathlib, sys, time
-    import keras, numpy as np, tensorflow as tf, kerasps
+SCENARIOS_CHIEF = CHIEF_SETUP.replace("OPTIMIZER", "keras.optimizers.Adam(0.01)") + """
+    import pathlib, time
+    import numpy as np
 
     flags = pathlib.Path(sys.argv[1])
-
-    def say(*words):
-        print(*words, flush=True)
 
     def wait_for_flag(name):
         deadline = time.monotonic() + 240
@@ -388,18 +372,9 @@ SCENARIOS_CHIEF = """
             assert time.monotonic() < deadline, f"no flag {name}"
             time.sleep(0.05)
 
-    strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config())
     coordinator = kerasps.ClusterCoordinator(strategy)
     with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(1)])
-        model.compile(keras.optimizers.Adam(0.01), "mse")
         counter = keras.Variable(0, dtype="int64", trainable=False)
-
-    def dataset_fn(context):
-        x = tf.random.stateless_uniform((256, 4), [1, context.input_pipeline_id])
-        y = tf.reduce_sum(x, axis=1, keepdims=True)
-        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)
 
     @tf.function
     def step(iterator):
@@ -423,7 +398,8 @@ SCENARIOS_CHIEF = """
     say("scheduled", len(results))
     wait_for_flag("both-workers-killed")
     fetched = [r.fetch() for r in before]  # after the failure
-    say("fetched after failure", len(fetched), bool(np.isfinite(model.layers[0].kernel.numpy()).all()))
+    weights = model.layers[0].kernel.numpy()  # read from the ps after the failure
+    say("fetched after failure", len(fetched), bool(np.isfinite(weights).all()))
     coordinator.join()
     say("two preempted", len([r.fetch() for r in results]), int(counter.numpy()))
 
