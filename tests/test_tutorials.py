@@ -108,3 +108,74 @@ def test_failures_tutorial_resumes_a_killed_coordinator_inside_the_epoch(failure
     step = int(re.search(r"latest backup: epoch \d step (\d+)", text).group(1))
     assert step > 0  # inside an epoch
     assert "steps before the backup + steps of the second run: 180" in text
+
+
+EMBEDDINGS_TUTORIAL = "02_sharded_embeddings.ipynb"
+
+
+@pytest.fixture(scope="module")
+def embeddings_tutorial():
+    return run_notebook(EMBEDDINGS_TUTORIAL, timeout=600)
+
+
+@pytest.mark.notebook
+def test_embeddings_tutorial_greedy_placement_evens_out_what_round_robin_does_not(
+        embeddings_tutorial):
+    text = _stdout_of(embeddings_tutorial, "placement-imbalance")
+    imbalance = {policy: float(value) for policy, value in
+                 re.findall(r"^(round_robin|greedy): imbalance ([\d.]+)$", text, re.M)}
+    assert imbalance["round_robin"] > 1.2
+    assert imbalance["greedy"] < 1.05
+    # The greedy report itself: both user shards, on different ps tasks.
+    shards = re.findall(r"^user/embeddings/part_\d +\(500000, 32\) .* (\d)$", text, re.M)
+    assert sorted(shards) == ["0", "1"]
+
+
+@pytest.mark.notebook
+def test_embeddings_tutorial_lazy_adam_moves_only_the_rows_of_the_batch(embeddings_tutorial):
+    text = _stdout_of(embeddings_tutorial, "lazy-vs-dense-rows")
+    steps = re.findall(r"^step (\d): (\d+) users in the batch; rows moved: dense Adam (\d+), "
+                       r"lazy Adam (\d+); largest difference between the two tables (\S+)$",
+                       text, re.M)
+    assert [s[0] for s in steps] == ["1", "2"]
+    (_, users_1, dense_1, lazy_1, difference_1), (_, users_2, dense_2, lazy_2, difference_2) = [
+        (int(a), int(b), int(c), int(d), float(e)) for a, b, c, d, e in steps]
+    # First step: zero moments, so both rules move exactly the rows of the batch, alike.
+    assert dense_1 == lazy_1 == users_1 > 200
+    assert difference_1 == 0.0
+    # Second step: dense Adam also moves the first batch's rows, lazy Adam does not.
+    assert lazy_2 == users_2
+    assert users_2 < dense_2 <= users_1 + users_2
+    assert difference_2 > 0.0
+
+
+@pytest.mark.notebook
+def test_embeddings_tutorial_times_dense_and_lazy_adam_with_fit(embeddings_tutorial):
+    text = _stdout_of(embeddings_tutorial, "sparse-timings")
+    rates = dict(re.findall(r"^(dense Adam|lazy Adam): ([\d.]+) steps/s$", text, re.M))
+    assert set(rates) == {"dense Adam", "lazy Adam"}
+    assert all(float(rate) > 0 for rate in rates.values())
+    assert re.search(r"^lazy Adam is [\d.]+x faster$", text, re.M)
+
+
+@pytest.mark.notebook
+def test_embeddings_tutorial_restores_two_shards_into_three_exactly(embeddings_tutorial):
+    text = _stdout_of(embeddings_tutorial, "reshard")
+    assert "user table shards: 2 -> 3" in text
+    before, after = re.search(r"optimizer steps: (\d+) -> (\d+)", text).groups()
+    assert int(before) == int(after) > 0
+    assert float(re.search(r"after restoring: (\S+)", text).group(1)) == 0.0
+    # The optimizer's moments came along: one more step keeps both models equal.
+    step = _stdout_of(embeddings_tutorial, "reshard-step")
+    assert float(re.search(r"after one more step on each: (\S+)", step).group(1)) < 1e-6
+
+
+@pytest.mark.notebook
+def test_embeddings_tutorial_export_serves_without_kerasps(embeddings_tutorial):
+    text = _stdout_of(embeddings_tutorial, "export")
+    assert "kerasps imported: False" in text
+    variables = re.search(r"SavedModel variables: (.*)", text).group(1)
+    assert "(1000000, 32)" in variables and "(500000, 32)" not in variables
+    for kind in ("SavedModel", ".keras"):
+        difference = re.search(rf"^{re.escape(kind)}: largest difference (\S+)$", text, re.M)
+        assert float(difference.group(1)) < 1e-5
