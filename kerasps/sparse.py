@@ -14,8 +14,10 @@ argument of `kerasps.ParameterServerStrategy`):
   rate (a `learning_rate` changed during training, e.g. by `ReduceLROnPlateau`,
   moves untouched rows in Keras' rule) and no
   `l2_shrinkage_regularization_strength`; `Ftrl`'s first step is dense, as
-  Keras' `Ftrl` moves every row to its closed form then. Other optimizers keep
-  Keras' dense update.
+  Keras' `Ftrl` moves every row to its closed form then. `Adam` (without
+  `amsgrad`) keeps Keras' dense update of every row, run as TensorFlow's fused
+  `ResourceApplyAdam` on the shard's ps task (one pass over the shard and its
+  slots instead of one per Keras op). Other optimizers keep Keras' dense update.
 * `"lazy"`: in addition, `Adam`, `AdamW`, `RMSprop`, `SGD` with momentum, and
   `Ftrl` with a learning-rate schedule or L2 shrinkage, update the rows of the
   batch only: the slots of the other rows keep their values instead of
@@ -222,12 +224,37 @@ def update_rows(optimizer, gradient, variable, learning_rate, mode, weight_decay
     apply, is_exact = rule
     exact = is_exact(optimizer)
     if mode == EXACT and not exact:
+        if apply is _adam and not optimizer.amsgrad and not weight_decay:
+            _adam_in_one_pass(optimizer, gradient, variable, learning_rate)
+            return True
         return False
     rows = _Rows(optimizer, gradient, variable, learning_rate)
     if weight_decay:
         decay(optimizer, variable, rows)
     apply(rows, exact)  # exact wherever the math allows it, in both modes
     return True
+
+
+def _adam_in_one_pass(optimizer, gradient, variable, learning_rate):
+    """Keras' dense Adam update of a shard, as TensorFlow's fused `ResourceApplyAdam`.
+
+    The same arithmetic as `keras.optimizers.Adam.update_step` (every row and
+    both slots move), in one pass over the shard and its slots on its ps task
+    instead of one per Keras op; the row update becomes dense there, never on
+    the worker.
+    """
+    dtype = variable.dtype
+    local_step = tf.cast(optimizer.iterations + 1, dtype)
+    beta_1, beta_2 = tf.cast(optimizer.beta_1, dtype), tf.cast(optimizer.beta_2, dtype)
+    dense = tf.math.unsorted_segment_sum(
+        tf.cast(gradient.values, dtype), gradient.indices, tf.shape(variable)[0])
+    tf.raw_ops.ResourceApplyAdam(
+        var=_keras.tf_variable(variable).handle,
+        m=_keras.tf_variable(_keras.optimizer_slot(optimizer, "_momentums", variable)).handle,
+        v=_keras.tf_variable(_keras.optimizer_slot(optimizer, "_velocities", variable)).handle,
+        beta1_power=tf.pow(beta_1, local_step), beta2_power=tf.pow(beta_2, local_step),
+        lr=tf.cast(learning_rate, dtype), beta1=beta_1, beta2=beta_2,
+        epsilon=tf.cast(optimizer.epsilon, dtype), grad=dense)
 
 
 def decay(optimizer, variable, rows=None):
