@@ -3,6 +3,7 @@
 A TensorFlow upgrade that moves these touches only this file.
 """
 
+import threading
 import weakref
 
 from tensorflow.python.distribute import input_lib, input_util
@@ -73,6 +74,24 @@ class _ResultOnCoordinator(coordinator_values.RemoteValueImpl):
             self._fetched_tensors = fetched
             self._has_fetched_to_local = True
         super()._set_values(tensors)
+        _notify_published()
+
+    def _set_error(self, error):
+        super()._set_error(error)
+        _notify_published()
+
+    def _set_aborted(self, error):
+        super()._set_aborted(error)
+        _notify_published()
+
+
+# Notified whenever a scheduled function's result or error is published.
+_published = threading.Condition()
+
+
+def _notify_published():
+    with _published:
+        _published.notify_all()
 
 
 _results_installed = False
@@ -102,6 +121,13 @@ def install_results_on_coordinator():
 def remote_value_ready(remote_value) -> bool:
     """True once a `RemoteValue` holds a result or an error (never blocks)."""
     return remote_value._status_available_event.is_set()
+
+
+def wait_for_any(remote_values, timeout: float):
+    """Blocks until one of `remote_values` (scheduled functions' results) holds a
+    result or an error, or for at most `timeout` seconds."""
+    with _published:
+        _published.wait_for(lambda: any(map(remote_value_ready, remote_values)), timeout)
 
 
 _closure_observers = []

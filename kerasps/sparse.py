@@ -224,10 +224,8 @@ def update_rows(optimizer, gradient, variable, learning_rate, mode, weight_decay
     apply, is_exact = rule
     exact = is_exact(optimizer)
     if mode == EXACT and not exact:
-        if apply is _adam and not optimizer.amsgrad and not weight_decay:
-            _adam_in_one_pass(optimizer, gradient, variable, learning_rate)
-            return True
-        return False
+        return apply is _adam and _adam_in_one_pass(
+            optimizer, gradient, variable, learning_rate, weight_decay)
     rows = _Rows(optimizer, gradient, variable, learning_rate)
     if weight_decay:
         decay(optimizer, variable, rows)
@@ -235,14 +233,22 @@ def update_rows(optimizer, gradient, variable, learning_rate, mode, weight_decay
     return True
 
 
-def _adam_in_one_pass(optimizer, gradient, variable, learning_rate):
+def _adam_in_one_pass(optimizer, gradient, variable, learning_rate, weight_decay) -> bool:
     """Keras' dense Adam update of a shard, as TensorFlow's fused `ResourceApplyAdam`.
 
     The same arithmetic as `keras.optimizers.Adam.update_step` (every row and
     both slots move), in one pass over the shard and its slots on its ps task
     instead of one per Keras op; the row update becomes dense there, never on
-    the worker.
+    the worker. Returns `False` (Keras' update runs instead) with `amsgrad`,
+    weight decay to apply first, or slots that are not on the shard's device
+    (an optimizer built outside the strategy's scope).
     """
+    m = _keras.optimizer_slot(optimizer, "_momentums", variable)
+    v = _keras.optimizer_slot(optimizer, "_velocities", variable)
+    device = _keras.tf_variable(variable).device
+    if optimizer.amsgrad or weight_decay or any(
+            _keras.tf_variable(slot).device != device for slot in (m, v)):
+        return False
     dtype = variable.dtype
     local_step = tf.cast(optimizer.iterations + 1, dtype)
     beta_1, beta_2 = tf.cast(optimizer.beta_1, dtype), tf.cast(optimizer.beta_2, dtype)
@@ -250,11 +256,11 @@ def _adam_in_one_pass(optimizer, gradient, variable, learning_rate):
         tf.cast(gradient.values, dtype), gradient.indices, tf.shape(variable)[0])
     tf.raw_ops.ResourceApplyAdam(
         var=_keras.tf_variable(variable).handle,
-        m=_keras.tf_variable(_keras.optimizer_slot(optimizer, "_momentums", variable)).handle,
-        v=_keras.tf_variable(_keras.optimizer_slot(optimizer, "_velocities", variable)).handle,
+        m=_keras.tf_variable(m).handle, v=_keras.tf_variable(v).handle,
         beta1_power=tf.pow(beta_1, local_step), beta2_power=tf.pow(beta_2, local_step),
         lr=tf.cast(learning_rate, dtype), beta1=beta_1, beta2=beta_2,
         epsilon=tf.cast(optimizer.epsilon, dtype), grad=dense)
+    return True
 
 
 def decay(optimizer, variable, rows=None):

@@ -25,7 +25,11 @@ How a `fit` runs:
   (`STEPS_IN_FLIGHT_PER_WORKER` per worker) and, as results arrive, calls
   `on_train_batch_end` in step order with the running metrics: batch-level
   callbacks and a live progress bar work, at most a window behind the workers.
-  `on_train_batch_begin` is called when a step is scheduled.
+  `on_train_batch_begin` is called when a step is scheduled. When no callback
+  overrides `on_train_batch_end` (or `on_batch_end`), as with `verbose=0` and
+  epoch-level callbacks only, it is not called and only the first and last
+  functions of an epoch return their logs (the others skip copying them to
+  the coordinator); epoch logs are the metrics read on the ps as before.
 * Metrics live on the ps tasks and every worker updates them, so epoch logs,
   read on the coordinator after the epoch's steps finish, aggregate all
   workers exactly.

@@ -11,7 +11,17 @@ STEPS_IN_FLIGHT_PER_WORKER = 2
 
 
 class Window:
-    """Schedules functions with a bounded number in flight; delivers results in order."""
+    """Schedules functions with a bounded number unfinished; delivers results in order.
+
+    At most `capacity` scheduled functions are unfinished (running or queued)
+    at a time. Results are delivered in scheduling order, so a function held
+    up on a failed worker (TensorFlow runs it again elsewhere once the failure
+    is seen) holds back the delivery of the results after it, but not the
+    scheduling of new functions on the workers that are alive.
+    """
+
+    # Undelivered results kept behind one unfinished function, per unit of capacity.
+    BACKLOG_PER_SLOT = 64
 
     def __init__(self, coordinator):
         self.coordinator = coordinator
@@ -21,13 +31,24 @@ class Window:
     def schedule(self, function, args, tag):
         self.pending.append((tag, self.coordinator.schedule(function, args=args)))
 
+    def _unfinished(self):
+        return [remote for _, remote in self.pending if not _tf.remote_value_ready(remote)]
+
     def ready(self):
-        """Yields `(tag, result)` for results that arrived, oldest first, blocking
-        on the oldest while the window is full."""
-        while self.pending and (len(self.pending) >= self.capacity
-                                or _tf.remote_value_ready(self.pending[0][1])):
-            tag, remote = self.pending.popleft()
-            yield tag, remote.fetch()
+        """Yields `(tag, result)` for the results that arrived, oldest first; returns
+        once fewer than `capacity` functions are unfinished."""
+        while self.pending:
+            if _tf.remote_value_ready(self.pending[0][1]):
+                tag, remote = self.pending.popleft()
+                yield tag, remote.fetch()
+                continue
+            unfinished = self._unfinished()
+            if len(unfinished) < self.capacity and (
+                    len(self.pending) < self.BACKLOG_PER_SLOT * self.capacity):
+                return
+            # Full: wait for any unfinished function to finish (the oldest may be
+            # stuck on a failed worker while the others go on).
+            _tf.wait_for_any(unfinished, timeout=1.0)
 
     def drain(self):
         """Waits for everything scheduled; yields the remaining results in order."""
@@ -50,6 +71,21 @@ class Window:
                 return
             except Exception:  # noqa: BLE001 - the first error is already being raised
                 continue
+
+
+def reads_batch_logs(callbacks) -> bool:
+    """True if a callback may read the logs of `on_train_batch_end`.
+
+    Keras marks the no-op hooks of `keras.callbacks.Callback` with
+    `_is_default`; a callback overriding `on_train_batch_end` or its alias
+    `on_batch_end` (the progress bar does) reads them. A `CallbackList`
+    subclass may do anything, so it counts as reading them.
+    """
+    if type(callbacks) is not _keras.CallbackList:
+        return True
+    return any(not getattr(getattr(callback, hook), "_is_default", False)
+               for callback in callbacks.callbacks
+               for hook in ("on_train_batch_end", "on_batch_end"))
 
 
 def to_logs(values):

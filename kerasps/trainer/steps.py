@@ -12,48 +12,75 @@ def step_functions(model) -> dict:
     """The model's traced step functions, forgotten when `compile()` runs again.
 
     `compile` creates a new optimizer, loss and metrics container; functions
-    traced with the old ones would keep updating them.
+    traced with the old ones would keep updating them. The cache is set with
+    `object.__setattr__`: Keras' `Layer.__setattr__` would store a tracked copy
+    of the dict, and functions added to this one would be lost (traced again
+    by every `fit`).
     """
     key = (id(model.optimizer), id(getattr(model, "_compile_loss", None)),
-           id(getattr(model, "_compile_metrics", None)), model.steps_per_execution)
+           id(getattr(model, "_compile_metrics", None)), model.steps_per_execution,
+           getattr(model, "unrolled_steps_per_execution", 1))
     cache = getattr(model, "_kerasps_functions", None)
     if cache is None or cache.get("key") != key:
-        cache = model._kerasps_functions = {"key": key}
+        cache = {"key": key}
+        object.__setattr__(model, "_kerasps_functions", cache)
     return cache
 
 
 def forget_step_functions(model):
     """Makes the next call trace the step functions again (after variables got new
     resources: traced functions hold the old ones)."""
-    model._kerasps_functions = None
+    object.__setattr__(model, "_kerasps_functions", None)
 
 
-def make_train_function(model):
+def make_train_function(model, with_logs=True):
+    """The function scheduled to run `steps` training steps on a worker.
+
+    With `with_logs=False` it returns nothing: its result needs no copy to the
+    coordinator and no fetch, for the steps whose logs no callback reads. The
+    steps themselves (and the metric updates on the ps) are the same.
+    """
     cache = step_functions(model)
-    if "train" in cache:
-        return cache["train"]
+    name = "train" if with_logs else "train_without_logs"
+    if name in cache:
+        return cache[name]
     strategy = model.distribute_strategy
-
-    def one_step(data):
-        outputs = strategy.run(model.train_step, args=(data,))
-        return _keras.reduce_per_replica(outputs, strategy, reduction="auto")
+    unrolled = max(1, int(getattr(model, "unrolled_steps_per_execution", 1) or 1))
 
     @tf.autograph.experimental.do_not_convert
     def train_function(iterator, steps: int):
         # `steps` is a Python int: one trace per value (`steps_per_execution` and an
-        # epoch's remainder), and a single step needs no loop.
-        outputs = one_step(next(iterator))
-        if steps == 1:
+        # epoch's remainder). A `tf.while_loop` runs Keras'
+        # `model.unrolled_steps_per_execution` steps per iteration (default 1): an
+        # iteration's body runs as a function of its own on the worker and on every
+        # ps task, which costs more than the steps of a small model.
+        def run(count, outputs=None):
+            for _ in range(count):
+                outputs = strategy.run(model.train_step, args=(next(iterator),))
+                outputs = _keras.reduce_per_replica(outputs, strategy, reduction="auto")
             return outputs
 
-        def body(i, outputs):
-            return i + 1, one_step(next(iterator))
+        chunk = min(unrolled, steps)
+        loops, rest = divmod(steps, chunk)
+        outputs = None
+        if with_logs or loops == 1:
+            # The first chunk runs outside the loop: it gives the loop its outputs'
+            # structure, and a single chunk needs no loop.
+            outputs, loops = run(chunk), loops - 1
+        if loops and with_logs:
+            _, outputs = tf.while_loop(lambda i, _: i < loops, lambda i, _: (i + 1, run(chunk)),
+                                       (tf.constant(0), outputs))
+        elif loops:
+            def body(i):
+                run(chunk)
+                return i + 1
 
-        _, outputs = tf.while_loop(lambda i, _: i < steps, body, (tf.constant(1), outputs))
-        return outputs
+            tf.while_loop(lambda i: i < loops, body, (tf.constant(0),))
+        outputs = run(rest, outputs)
+        return outputs if with_logs else None
 
-    cache["train"] = tf.function(train_function, reduce_retracing=True)
-    return cache["train"]
+    cache[name] = tf.function(train_function, reduce_retracing=True)
+    return cache[name]
 
 
 def make_test_function(model):

@@ -14,10 +14,12 @@ from kerasps._validation import positive_int
 from kerasps.failures import Progress
 from kerasps.trainer import recovery
 from kerasps.trainer.checks import build, check_model
-from kerasps.trainer.dispatch import Window, to_logs
+from kerasps.trainer.dispatch import Window, reads_batch_logs, to_logs
 from kerasps.trainer.evaluation import Evaluation
 from kerasps.trainer.inputs import is_array_like, make_source, per_worker_dataset, total_batches
 from kerasps.trainer.steps import make_train_function
+
+_log = logging.getLogger("kerasps")
 
 
 def iterations_of(model):
@@ -43,8 +45,8 @@ def _record_epoch_counts(model, history, epoch, iterations_before, steps, rerun)
         history.history.setdefault("reexecuted_steps", []).append(count)
         history.history.setdefault("rolled_back_steps", []).append(rerun)
     if count:
-        logging.warning("Epoch %d: %d step(s) ran twice: a worker failed before its results "
-                        "reached the coordinator (training is at-least-once).", epoch + 1, count)
+        _log.warning("Epoch %d: %d step(s) ran twice: a worker failed before its results "
+                 "reached the coordinator (training is at-least-once).", epoch + 1, count)
 
 
 def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
@@ -122,6 +124,19 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     tracing = coordinator.tracing
     training_logs = None
     logs = {}
+    batch_logs = reads_batch_logs(callbacks)
+
+    def deliver(results):
+        """Records the progress of delivered results; calls `on_train_batch_end`."""
+        nonlocal logs, done, position
+        for end, result in results:
+            done = end + 1
+            position = Progress(epoch, done)
+            if result is not None:
+                logs = to_logs(result)
+            if batch_logs:
+                callbacks.on_train_batch_end(end, logs)
+
     with backup.recording(lambda: position) if backup else contextlib.nullcontext():
         if backup is not None:
             backup.save()  # there is always a backup to go back to
@@ -134,21 +149,19 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             iterations_before, counted_from, rerun = iterations_of(model), step, 0
             while True:
                 window = Window(coordinator)
-                train_function = make_train_function(model)
+                first = True
                 try:
                     while step < steps_per_epoch and not model.stop_training:
                         n = min(spe, steps_per_epoch - step)
                         callbacks.on_train_batch_begin(step)
-                        window.schedule(train_function, (iterator, n), step + n - 1)
-                        step += n
-                        for end, result in window.ready():
-                            logs, done = to_logs(result), end + 1
-                            position = Progress(epoch, done)
-                            callbacks.on_train_batch_end(end, logs)
-                    for end, result in window.drain():
-                        logs, done = to_logs(result), end + 1
-                        position = Progress(epoch, done)
-                        callbacks.on_train_batch_end(end, logs)
+                        # Logs come back when a callback reads them, and from the first
+                        # and last functions of the epoch (the epoch logs' keys).
+                        with_logs = batch_logs or first or step + n == steps_per_epoch
+                        window.schedule(make_train_function(model, with_logs), (iterator, n),
+                                        step + n - 1)
+                        step, first = step + n, False
+                        deliver(window.ready())
+                    deliver(window.drain())
                     epoch_logs = dict(_keras.metrics_result_or_logs(model, logs))
                     break
                 except tf.errors.OutOfRangeError:

@@ -1,0 +1,109 @@
+"""The functions `fit` schedules on the workers: traced once, logs only where read."""
+
+import keras
+import tensorflow as tf
+
+import kerasps
+
+BATCH = 8
+
+
+def regression_fn(input_context):
+    ids = tf.random.stateless_uniform((64, 2), [3, input_context.input_pipeline_id],
+                                      maxval=50, dtype=tf.int32)
+    y = tf.cast(tf.reduce_sum(ids % 2, axis=1, keepdims=True), tf.float32)
+    return tf.data.Dataset.from_tensor_slices((ids, y)).repeat().batch(BATCH)
+
+
+class ExampleCount(keras.metrics.Metric):
+    """Counts the examples it has seen: exact only if every step ran once."""
+
+    def __init__(self, name="examples", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.count.assign_add(tf.cast(tf.shape(y_true)[0], self.dtype))
+
+    def result(self):
+        return self.count
+
+
+class TraceCounting(keras.Sequential):
+    """Counts how often `train_step` is traced (its Python body runs only then)."""
+
+    traces = 0
+
+    def train_step(self, data):
+        type(self).traces += 1
+        return super().train_step(data)
+
+
+class ConstantLogs(keras.Sequential):
+    """A custom `train_step` whose logs are not the model's metrics."""
+
+    def train_step(self, data):
+        super().train_step(data)
+        return {"answer": tf.constant(42.0)}
+
+
+def build(strategy, model_class=keras.Sequential, steps_per_execution=1):
+    with strategy.scope():
+        model = model_class([
+            keras.Input((2,), dtype="int32"),
+            keras.layers.Embedding(50, 4),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1),
+        ])
+        model.compile(keras.optimizers.Adam(0.05), "mse", metrics=[ExampleCount()],
+                      steps_per_execution=steps_per_execution)
+    return model
+
+
+def test_a_later_fit_reuses_the_traced_training_functions(strategy):
+    model = build(strategy, TraceCounting)
+    data = kerasps.DatasetCreator(regression_fn)
+    before = TraceCounting.traces
+    model.fit(data, epochs=1, steps_per_epoch=1, verbose=0)  # one function, with logs
+    assert TraceCounting.traces - before == 1
+    model.fit(data, epochs=1, steps_per_epoch=6, verbose=0)  # adds the one without logs
+    assert TraceCounting.traces - before == 2
+    model.fit(data, epochs=2, steps_per_epoch=6, verbose=0)
+    assert TraceCounting.traces - before == 2
+
+
+def test_epoch_logs_come_from_the_last_step_when_no_callback_reads_batch_logs(strategy):
+    model = build(strategy, ConstantLogs, steps_per_execution=2)
+    history = model.fit(kerasps.DatasetCreator(regression_fn), epochs=2, steps_per_epoch=9,
+                        verbose=0)
+    assert history.history["answer"] == [42.0, 42.0]
+    assert int(model.optimizer.iterations.numpy()) == 18
+
+
+def test_metrics_are_exact_when_no_callback_reads_batch_logs(strategy):
+    model = build(strategy, steps_per_execution=3)
+    history = model.fit(kerasps.DatasetCreator(regression_fn), epochs=2, steps_per_epoch=20,
+                        verbose=0)
+    assert history.history["examples"] == [20 * BATCH, 20 * BATCH]
+
+
+def test_unrolled_steps_per_execution_unrolls_the_step_loop(strategy):
+    # Three functions run 10 steps: 4 steps returning logs, 4 without, the last 2
+    # with logs. Unrolled, each traces `train_step` once per step it runs.
+    model = build(strategy, TraceCounting, steps_per_execution=4)
+    model.unrolled_steps_per_execution = 4
+    before = TraceCounting.traces
+    history = model.fit(kerasps.DatasetCreator(regression_fn), epochs=1, steps_per_epoch=10,
+                        verbose=0)
+    assert TraceCounting.traces - before == 4 + 4 + 2
+    assert history.history["examples"] == [10 * BATCH]
+    assert int(model.optimizer.iterations.numpy()) == 10
+
+
+def test_a_partly_unrolled_step_loop_runs_every_step_once(strategy):
+    model = build(strategy, steps_per_execution=4)
+    model.unrolled_steps_per_execution = 3  # 4 steps: one loop iteration of 3, then 1
+    history = model.fit(kerasps.DatasetCreator(regression_fn), epochs=1, steps_per_epoch=10,
+                        verbose=0)
+    assert history.history["examples"] == [10 * BATCH]
+    assert int(model.optimizer.iterations.numpy()) == 10
