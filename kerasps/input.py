@@ -278,6 +278,12 @@ class PerWorkerDataset:
             self._persistent_iterator = iter(self)
         return self._persistent_iterator
 
+    def renew_persistent_iterator(self):
+        """Replaces the persistent iterators by new ones (every worker's pipeline
+        starts again) and returns them."""
+        self._persistent_iterator = None
+        return self.persistent_iterator()
+
     @property
     def element_spec(self):
         return self._functions[0].structured_outputs.element_spec

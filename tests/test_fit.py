@@ -361,3 +361,24 @@ def test_bad_dataset_creator_arguments_are_rejected():
         kerasps.DatasetCreator(42)
     with pytest.raises(ValueError, match=r"argument `input_options`.*Received: input_options="):
         kerasps.DatasetCreator(regression_fn, input_options={"prefetch": True})
+
+
+def test_training_input_that_ends_on_a_later_pass_is_an_error_not_a_short_fit(strategy, tmp_path):
+    """Training input is repeated; a pass that yields nothing (here the file emptied
+    while training) is rebuilt once, then reported: `fit` never ends short quietly."""
+    data = tmp_path / "rows.csv"
+    data.write_text("".join(f"{i % 50},{i % 50},1\n" for i in range(16)))
+
+    def dataset_fn(context):
+        lines = tf.data.TextLineDataset(str(data))
+        columns = lines.map(lambda line: tf.io.decode_csv(line, [0, 0, 0.0]))
+        return columns.map(lambda a, b, y: (tf.stack([a, b]), [y])).batch(4)
+
+    model = build(strategy)
+    emptied = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: batch == 3 and data.write_text(""))
+    with pytest.raises(RuntimeError, match=r"training input ended at epoch 1 step \d+, and "
+                                           r"again after every worker's input pipeline was "
+                                           r"rebuilt"):
+        model.fit(kerasps.DatasetCreator(dataset_fn), epochs=1, steps_per_epoch=200,
+                  verbose=0, callbacks=[emptied])

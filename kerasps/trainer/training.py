@@ -111,6 +111,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
 
     spe = model.steps_per_execution
     iterator = per_worker.persistent_iterator()
+    renewed_at = None  # (epoch, step) where the input pipelines were last rebuilt
     backup = recovery.Backup.of(callbacks)
     model.stop_training = False
     callbacks.on_train_begin()
@@ -166,13 +167,29 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                     break
                 except tf.errors.OutOfRangeError:
                     window.abandon()
-                    warnings.warn(
-                        "Your input ran out of data; interrupting training. Make sure that "
-                        "your dataset can generate at least `steps_per_epoch * epochs` "
-                        "batches.", stacklevel=2)
-                    model.stop_training = True
-                    epoch_logs = dict(_keras.metrics_result_or_logs(model, logs))
-                    break
+                    if epoch == initial_epoch and done == 0 and renewed_at is None:
+                        # Nothing was read: the input is empty (Keras warns and stops).
+                        warnings.warn(
+                            "Your input ran out of data; interrupting training. Make sure "
+                            "that your dataset can generate at least `steps_per_epoch * "
+                            "epochs` batches.", stacklevel=2)
+                        model.stop_training = True
+                        epoch_logs = dict(_keras.metrics_result_or_logs(model, logs))
+                        break
+                    # Training input is repeated, so it cannot run out: a pipeline
+                    # rebuilt after a restart ended. Rebuild them all, once per step.
+                    if renewed_at == (epoch, done):
+                        raise RuntimeError(
+                            f"A worker's training input ended at epoch {epoch + 1} step "
+                            f"{done}, and again after every worker's input pipeline was "
+                            "rebuilt, although kerasps repeats training input: the dataset "
+                            "yields no elements on a later pass (files removed while "
+                            "training?).") from None
+                    _log.warning("A worker's training input ended at epoch %d step %d although "
+                                 "it is repeated (after a restart?); rebuilding every worker's "
+                                 "input pipeline.", epoch + 1, done)
+                    iterator = per_worker.renew_persistent_iterator()
+                    renewed_at, step = (epoch, done), done
                 except BaseException as error:
                     window.abandon()
                     position = recovery.recover(error, model, backup, epoch, done)
