@@ -15,7 +15,8 @@ SIGKILLs a process:
 * ``ps_killed``: the ps, started again at once (as a restart agent would);
 * ``coordinator_killed``: the chief, run again with the same command.
 
-Per scenario and system, over `--runs` runs: runs finished, steps applied
+Per scenario and system, over `--runs` runs: runs finished (exit status 0
+with every requested step applied), steps applied
 (`optimizer.iterations` at the end) against those requested, extra steps
 (applied more than once), steps lost to rollback (the counter's value at
 the kill minus the lowest value read after it), and the recovery time from
@@ -161,12 +162,14 @@ class Job:
             self.servers[task] = self._serve(*task)
 
     def finish(self) -> bool:
+        """True if the chief exited with 0 having applied every requested step."""
         try:
             code = self.chief.wait(DEADLINE_S)
         except subprocess.TimeoutExpired:
             self.chief.kill()
             code = None
-        return code == 0 and self.result is not None
+        return (code == 0 and self.result is not None
+                and self.result["iterations"] >= EPOCHS * STEPS)
 
     def close(self):
         for process in [self.chief, *self.servers.values()]:
@@ -196,6 +199,7 @@ def run_once(scenario, system) -> dict:
             finished = job.finish()
         finally:
             job.close()
+        error = None if finished else _last_error(os.path.join(workdir, "chief.err"))
     after = [(t, v) for t, v in job.readings if t > killed_at]
     (t0, v0), (t1, v1) = before[len(before) // 2], before[-1]
     step_time = (t1 - t0) / max(1, v1 - v0)
@@ -208,7 +212,15 @@ def run_once(scenario, system) -> dict:
         "rolled_back": max(0, at_kill - min(v for _, v in after)) if after else None,
         "recovery_steps": None if recovered is None else (recovered - killed_at) / step_time,
         "step_time_s": step_time,
+        "error": error,
     }
+
+
+def _last_error(path) -> str:
+    """The end of a failed chief's stderr, without TensorFlow's log lines."""
+    with open(path) as f:
+        lines = [line.rstrip() for line in f if not line.startswith(("I0000", "W0000", "E0000"))]
+    return "\n".join(lines[-15:])
 
 
 def _median(values):
