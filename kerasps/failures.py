@@ -57,22 +57,26 @@ class Progress:
 
 
 class Recovery(enum.Enum):
-    """What a running `fit` does about ps tasks that lost their variables."""
+    """What a running `fit` does after an error from the cluster."""
 
     RESTORE = "restore"  # wait for the tasks, restore the latest backup, go on from there
     RAISE = "raise"  # no backup to restore: end the call with `PsTaskFailedError`
+    RETRY = "retry"  # a ps was unreachable but holds its state: run the failed steps again
 
 
-def decide(lost_ps_tasks, has_backup: bool) -> Recovery | None:
-    """The recovery of a call after an error; `None` if no ps task lost its state.
+def decide(lost_ps_tasks, has_backup: bool, ps_unreachable: bool = False) -> Recovery | None:
+    """The recovery of a call after an error; `None` if the error is not the cluster's
+    (it is raised as it is).
 
     Args:
         lost_ps_tasks: the ps tasks whose variables can no longer be read.
         has_backup: whether the call backs up its state (`BackupAndRestore`).
+        ps_unreachable: whether the error says a ps task could not be reached (it
+            may have been restored since, or the network failed for a moment).
     """
-    if not lost_ps_tasks:
-        return None
-    return Recovery.RESTORE if has_backup else Recovery.RAISE
+    if lost_ps_tasks:
+        return Recovery.RESTORE if has_backup else Recovery.RAISE
+    return Recovery.RETRY if ps_unreachable else None
 
 
 def steps_rolled_back(backup: Progress, epoch: int, finished: int) -> int:

@@ -27,3 +27,9 @@ def test_the_error_names_the_task_and_how_to_recover():
     assert "ps task 1 (/job:ps/replica:0/task:1)" in str(PsTaskFailedError(1, "fit"))
     assert "BackupAndRestore(backup_dir, save_freq=N)" in str(PsTaskFailedError(1, "fit"))
     assert "restore the model from a checkpoint" in str(PsTaskFailedError(0, "evaluate"))
+
+
+def test_an_unreachable_ps_that_kept_its_state_is_retried_not_restored():
+    assert decide([], has_backup=True, ps_unreachable=True) is Recovery.RETRY
+    assert decide([], has_backup=False, ps_unreachable=True) is Recovery.RETRY
+    assert decide([0], has_backup=True, ps_unreachable=True) is Recovery.RESTORE

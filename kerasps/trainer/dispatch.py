@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import time
 
 from kerasps import _keras, _tf
 
@@ -57,15 +58,17 @@ class Window:
             tag, remote = self.pending.popleft()
             yield tag, remote.fetch()
 
-    def abandon(self):
+    def abandon(self, timeout: float = 600.0):
         """After an error: wait for every function still running, drop the results.
 
         `join` raises the first error without waiting; functions still running
         may fail after it (a lost ps fails every one), and each such error
-        would otherwise come out of the next `schedule`.
+        would otherwise come out of the next `schedule`. Joins until one
+        returns cleanly (or `timeout` seconds pass).
         """
         self.pending.clear()
-        for _ in range(self.capacity + 1):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             try:
                 self.coordinator.join()
                 return

@@ -150,9 +150,13 @@ def raise_if_ps_lost(error, model, method):
         raise PsTaskFailedError(lost[0], method) from error
 
 
-def recover(error, model, backup: Backup | None, epoch: int, finished: int) -> Progress:
+def recover(error, model, backup: Backup | None, epoch: int, finished: int,
+            retried: bool = False) -> Progress:
     """After `error` in epoch `epoch` of `fit` (`finished` steps delivered): restores
     the state lost with ps tasks and returns where to go on from.
+
+    `retried`: the steps after `finished` were already run again once after an
+    unreachable ps task; a second time, `error` is raised.
 
     Raises:
         error: again, if no ps task lost its state (the error is not a ps loss).
@@ -160,11 +164,16 @@ def recover(error, model, backup: Backup | None, epoch: int, finished: int) -> P
             it did not come back within `PS_RECOVERY_TIMEOUT`.
     """
     lost = lost_ps_tasks(model, error)
-    decision = failures.decide(lost, has_backup=backup is not None)
-    if decision is None:
+    unreachable = isinstance(error, tf.errors.UnavailableError) and "/job:ps/" in str(error)
+    decision = failures.decide(lost, has_backup=backup is not None, ps_unreachable=unreachable)
+    if decision is None or (decision is Recovery.RETRY and retried):
         raise error
     if decision is Recovery.RAISE:
         raise PsTaskFailedError(lost[0], "fit") from error
+    if decision is Recovery.RETRY:
+        _log.warning("A ps task was unreachable at epoch %d step %d but holds its variables; "
+                     "running the failed steps again.", epoch + 1, finished)
+        return Progress(epoch, finished)
     progress = restore_lost_state(model, backup, lost)
     rerun = failures.steps_rolled_back(progress, epoch, finished)
     _log.warning(

@@ -112,6 +112,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     spe = model.steps_per_execution
     iterator = per_worker.persistent_iterator()
     renewed_at = None  # (epoch, step) where the input pipelines were last rebuilt
+    retried_at = None  # (epoch, step) of the last recovery
     backup = recovery.Backup.of(callbacks)
     model.stop_training = False
     callbacks.on_train_begin()
@@ -192,7 +193,10 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                     renewed_at, step = (epoch, done), done
                 except BaseException as error:
                     window.abandon()
-                    position = recovery.recover(error, model, backup, epoch, done)
+                    position = recovery.recover(error, model, backup, epoch, done,
+                                                retried=retried_at == (epoch, done))
+                    retried_at = (epoch, done)
+                    Window(coordinator).abandon()  # errors of functions failed meanwhile
                     # The restored counters are the backup's: `iterations_before` still
                     # holds, and steps the backup had applied ahead of `position`
                     # count as re-executed.
