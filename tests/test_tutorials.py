@@ -140,13 +140,14 @@ def test_embeddings_tutorial_lazy_adam_moves_only_the_rows_of_the_batch(embeddin
     assert [s[0] for s in steps] == ["1", "2"]
     (_, users_1, dense_1, lazy_1, difference_1), (_, users_2, dense_2, lazy_2, difference_2) = [
         (int(a), int(b), int(c), int(d), float(e)) for a, b, c, d, e in steps]
-    # First step: zero moments, so both rules move exactly the rows of the batch, alike.
+    # First step: zero moments, so both rules move exactly the rows of the batch, alike
+    # (to float rounding: dense Adam runs as one fused kernel, lazy Adam as Keras' ops).
     assert dense_1 == lazy_1 == users_1 > 200
-    assert difference_1 == 0.0
+    assert difference_1 < 1e-6
     # Second step: dense Adam also moves the first batch's rows, lazy Adam does not.
     assert lazy_2 == users_2
     assert users_2 < dense_2 <= users_1 + users_2
-    assert difference_2 > 0.0
+    assert difference_2 > 1e-5
 
 
 @pytest.mark.notebook
