@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.metadata
 import json
 import os
 import resource
@@ -302,13 +301,9 @@ def scale_table(results):
 
 
 def _meta(args):
-    versions = {}
-    for dist in ("tensorflow", "keras", "tf-keras", "kerasps"):
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            versions[dist] = None
-    return {"versions": versions, "python": sys.version.split()[0], "nproc": os.cpu_count(),
+    from fit_throughput import _versions  # a sibling script: benchmarks/ is on sys.path
+
+    return {"versions": _versions(), "python": sys.version.split()[0], "nproc": os.cpu_count(),
             "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
             "scale": args.scale, "load_before": os.getloadavg()[0]}
 

@@ -4,6 +4,7 @@ import keras
 import tensorflow as tf
 
 import kerasps
+from tests.test_fit import ExampleCount
 
 BATCH = 8
 
@@ -13,20 +14,6 @@ def regression_fn(input_context):
                                       maxval=50, dtype=tf.int32)
     y = tf.cast(tf.reduce_sum(ids % 2, axis=1, keepdims=True), tf.float32)
     return tf.data.Dataset.from_tensor_slices((ids, y)).repeat().batch(BATCH)
-
-
-class ExampleCount(keras.metrics.Metric):
-    """Counts the examples it has seen: exact only if every step ran once."""
-
-    def __init__(self, name="examples", **kwargs):
-        super().__init__(name=name, **kwargs)
-        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
-
-    def update_state(self, y_true, y_pred, sample_weight=None):
-        self.count.assign_add(tf.cast(tf.shape(y_true)[0], self.dtype))
-
-    def result(self):
-        return self.count
 
 
 class TraceCounting(keras.Sequential):
