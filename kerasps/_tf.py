@@ -21,6 +21,11 @@ PerWorkerValues = coordinator_values.PerWorkerValues
 PerWorkerDistributedIterator = coordinator_values.PerWorkerDistributedIterator
 
 
+# What a scheduled function's failure comes out of `join`/`schedule` as, besides a
+# `tf.errors.OpError`: its input (a per-worker resource) failed or was aborted.
+CLOSURE_ERRORS = (cluster_coordinator.ClosureInputError, cluster_coordinator.ClosureAbortedError)
+
+
 def workers(tf_coordinator):
     """The coordinator's `Worker` objects, one per worker task, in task order."""
     return tf_coordinator._cluster.workers

@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import time
 
+import tensorflow as tf
+
 from kerasps import _keras, _tf
 
 # Scheduled functions kept in flight per worker: one running, one queued.
@@ -72,8 +74,8 @@ class Window:
             try:
                 self.coordinator.join()
                 return
-            except Exception:  # noqa: BLE001 - the first error is already being raised
-                continue
+            except (tf.errors.OpError, *_tf.CLOSURE_ERRORS):
+                continue  # another function's error; anything else (a signal) goes up
 
 
 def reads_batch_logs(callbacks) -> bool:
