@@ -182,14 +182,17 @@ def ps_task_alive(ps_task: int) -> bool:
         return False
 
 
-def reconnect_cluster():
+def reconnect_cluster(tf_coordinator):
     """Re-establishes the coordinator's eager context with every task.
 
     A task that restarted on its address knows nothing of the coordinator's
     context; this is what TensorFlow's coordinator does after a worker comes
-    back (`WorkerPreemptionHandler`), applied to a ps task.
+    back (`WorkerPreemptionHandler`), applied to a ps task, under the same lock
+    so that the two never update the context at once.
     """
-    context.context().update_server_def(context.get_server_def())
+    handler = tf_coordinator._cluster.failure_handler
+    with handler._cluster_update_lock:
+        context.context().update_server_def(context.get_server_def())
 
 
 def resource_variable(variable):

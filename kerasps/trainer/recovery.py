@@ -193,7 +193,9 @@ def restore_lost_state(model, backup: Backup, ps_tasks) -> Progress:
                     f"It did not answer again within {PS_RECOVERY_TIMEOUT:.0f} s, so the "
                     "backup could not be restored."))
             time.sleep(0.5)
-    _tf.reconnect_cluster()
+    from kerasps.coordinator import ClusterCoordinator
+
+    _tf.reconnect_cluster(ClusterCoordinator(model.distribute_strategy)._tf_coordinator)
     renewed = [v for v in _state_variables(model) if _ps_task(v) in ps_tasks]
     for variable in renewed:
         _tf.renew_variable(variable)
