@@ -237,8 +237,6 @@ _COORDINATOR_THREADS = ("WorkerClosureProcessingLoop-", "WorkerPreemptionHandler
 
 def coordinator_threads():
     """The live threads TensorFlow's `ClusterCoordinator` started."""
-    import threading
-
     return [t for t in threading.enumerate() if t.name.startswith(_COORDINATOR_THREADS)]
 
 

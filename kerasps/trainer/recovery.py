@@ -105,7 +105,7 @@ class Backup:
             if not os.path.exists(self.previous):
                 raise
             _log.warning("The latest backup %s is unreadable; restoring the previous one.",
-                            self.latest)
+                         self.latest)
             shutil.copyfile(self.previous, self.latest)
             model.load_weights(self.latest)
         progress = self.progress()

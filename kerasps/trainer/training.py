@@ -46,7 +46,7 @@ def _record_epoch_counts(model, history, epoch, iterations_before, steps, rerun)
         history.history.setdefault("rolled_back_steps", []).append(rerun)
     if count:
         _log.warning("Epoch %d: %d step(s) ran twice: a worker failed before its results "
-                 "reached the coordinator (training is at-least-once).", epoch + 1, count)
+                     "reached the coordinator (training is at-least-once).", epoch + 1, count)
 
 
 def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
@@ -196,7 +196,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                     position = recovery.recover(error, model, backup, epoch, done,
                                                 retried=retried_at == (epoch, done))
                     retried_at = (epoch, done)
-                    Window(coordinator).abandon()  # errors of functions failed meanwhile
+                    window.abandon()  # errors of functions that failed meanwhile
                     # The restored counters are the backup's: `iterations_before` still
                     # holds, and steps the backup had applied ahead of `position`
                     # count as re-executed.
