@@ -240,6 +240,52 @@ def install_results_on_coordinator():
     closure_cls.build_output_remote_value = build_output_remote_value
 
 
+# Seconds the functions still running when the input ended may take to finish before
+# they are cancelled (as TensorFlow cancels them at once after any error).
+END_OF_INPUT_GRACE = 120.0
+
+_end_of_input_installed = False
+
+
+def install_end_of_input_grace():
+    """Lets the functions still running when another found the end of its input finish
+    (idempotent).
+
+    After a scheduled function fails, TensorFlow's closure queue cancels at the
+    next `schedule`/`join`/`done` every function still running and then those
+    queued. For the end of the input (`OutOfRangeError`) that loses data: a
+    function running on another worker may have read its batch (from the
+    tf.data service, which hands each element out once) and be cancelled before
+    its step applies it. Here the queued functions, which have read nothing, are
+    cancelled first, so that no more start; those running finish (or find the
+    end themselves) within `END_OF_INPUT_GRACE` seconds, after which TensorFlow's
+    own cancellation runs as before. Other errors are untouched.
+    """
+    global _end_of_input_installed
+    if _end_of_input_installed:
+        return
+    _end_of_input_installed = True
+    import queue
+
+    queue_cls = cluster_coordinator._CoordinatedClosureQueue
+    cancel_all = queue_cls._cancel_all_closures
+
+    def _cancel_all_closures(self):  # called with the queue's lock held
+        if isinstance(self._error, tf_errors.OutOfRangeError):
+            while True:
+                try:
+                    closure = self._queue.get(block=False)
+                except queue.Empty:
+                    break
+                self._queue_free_slot_condition.notify()
+                closure.mark_cancelled()
+            self._no_inflight_closure_condition.wait_for(
+                lambda: self._inflight_closure_count == 0, timeout=END_OF_INPUT_GRACE)
+        cancel_all(self)
+
+    queue_cls._cancel_all_closures = _cancel_all_closures
+
+
 def remote_value_ready(remote_value) -> bool:
     """True once a `RemoteValue` holds a result or an error (never blocks)."""
     return remote_value._status_available_event.is_set()

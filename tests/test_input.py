@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import kerasps
+from kerasps import _tf
 
 ROWS, BATCH = 250, 16  # 250 = 15 full batches and a partial one of 10
 
@@ -135,6 +136,54 @@ def test_exactly_once_in_a_custom_loop_gives_one_pass_per_iter(strategy):
             else:
                 seen.extend(value.tolist())
         assert sorted(seen) == list(range(40))
+
+
+def test_the_end_of_the_data_does_not_cancel_a_step_that_has_read_its_batch(strategy):
+    """Issue 17, defect 3 (a batch lost with no fault): when one worker found the end of
+    exactly-once input, TensorFlow's coordinator cancelled the functions still running on
+    the other workers, and a step that had read its batch lost it. Here the only element
+    is read by a step held at a gate until the end of the data has been found elsewhere
+    and `join` is called; the step must still apply it."""
+    import threading
+    import time
+
+    coordinator = kerasps.ClusterCoordinator(strategy)
+    per_worker = coordinator.create_per_worker_dataset(
+        once(lambda context: tf.data.Dataset.from_tensors(tf.constant(7, tf.int64))))
+    with tf.device("/job:ps/replica:0/task:0"):
+        gate = tf.queue.FIFOQueue(1, tf.int32, shapes=[])
+        total = tf.Variable(tf.constant(0, tf.int64))
+
+    @tf.function
+    def step(iterator):
+        value = next(iterator)  # on the worker, which then waits for the gate's token
+        total.assign_add(value * tf.cast(gate.dequeue(), tf.int64))
+
+    iterator = iter(per_worker)
+    remotes = [coordinator.schedule(step, args=(iterator,)) for _ in range(2)]
+    deadline = time.monotonic() + 120
+    while not any(_tf.remote_value_ready(r) for r in remotes):  # one found the end
+        assert time.monotonic() < deadline, "no worker found the end of the data"
+        time.sleep(0.01)
+    (held,) = [r for r in remotes if not _tf.remote_value_ready(r)]
+    joining = threading.Event()
+
+    def open_gate():
+        # Once `join` has started: at once if it cancelled the held step (the defect),
+        # else after a grace of 2 s (the step is waiting at the gate: nothing to see).
+        joining.wait()
+        until = time.monotonic() + 2
+        while not _tf.remote_value_ready(held) and time.monotonic() < until:
+            time.sleep(0.01)
+        gate.enqueue(1)
+
+    opener = threading.Thread(target=open_gate)
+    opener.start()
+    joining.set()
+    with pytest.raises(tf.errors.OutOfRangeError):
+        coordinator.join()
+    opener.join()
+    assert total.numpy() == 7, "the step that read the only element was cancelled"
 
 
 def test_exactly_once_through_a_service_of_two_data_workers(strategy):
