@@ -17,7 +17,9 @@ Seams:
   * `Layer` and `TFOptimizer` `save_own_variables/load_own_variables`,
     `Layer._check_load_own_variables`, `TFOptimizer._trackable_children`:
     weights files and checkpoints hold whole variables and whole optimizer
-    slots, whatever the number of shards.
+    slots, whatever the number of shards. `TFOptimizer.build` notes how many
+    variables an optimizer had before it was built: a file saved then (a model
+    saved before any training) restores those and no slots.
   * `saving_lib._load_state`: loading a weights file into a kerasps model
     checks every variable's shape before assigning any.
   * `Layer.get_weights/set_weights`: whole variables; `Model.export`: a
@@ -356,17 +358,36 @@ def install():
             variables = _logical(self)
             if isinstance(self, Layer):
                 self._check_load_own_variables(store)
+            elif len(store.keys()) == unbuilt_sizes.get(self):
+                # Saved before it was built (no training yet): the file holds the
+                # variables made before the slots, and no slots.
+                variables = variables[:len(store.keys())]
             elif len(store.keys()) != len(variables):
                 # Keras warns and keeps the optimizer as it is: never silently.
+                unbuilt = unbuilt_sizes.get(self)
                 raise ValueError(
                     f"The saved state of optimizer '{self.name}' does not line up with "
-                    f"it: it has {len(variables)} variables, the file holds "
-                    f"{len(store.keys())}. Expected: {[v.path for v in variables]}")
+                    f"it: it has {len(variables)} variables"
+                    + (f" ({unbuilt} before it was built)" if unbuilt is not None else "")
+                    + f", the file holds {len(store.keys())}. "
+                    f"Expected: {[v.path for v in variables]}")
             for i, variable in enumerate(variables):
                 variable.assign(store[f"{i}"])
 
         cls.save_own_variables = save_own_variables
         cls.load_own_variables = load_own_variables
+
+    # A file saved before an optimizer was built (a model saved before any
+    # training) holds what it had then: its iteration and learning rate, no slots.
+    # Keras' optimizers build their base class first, before adding any variable.
+    unbuilt_sizes = weakref.WeakKeyDictionary()  # optimizer -> variables before `build`
+
+    def build(self, variables):
+        if not self.built:
+            unbuilt_sizes.setdefault(self, len(self._variables))
+        return super(tf_optimizer.TFOptimizer, self).build(variables)
+
+    tf_optimizer.TFOptimizer.build = build
 
     save_and_load_whole_variables(Layer)
     save_and_load_whole_variables(tf_optimizer.TFOptimizer)

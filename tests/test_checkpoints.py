@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import kerasps
+from kerasps.variables import logical_variables
 
 BATCHES = [
     (np.array([[0, 8], [4, 5], [3, 3], [7, 1]], dtype="int32"),
@@ -167,6 +168,121 @@ def test_saved_optimizer_state_lists_whole_variables(trained, tmp_path):
     assert shapes(tmp_path / "sharded.weights.h5") == shapes(tmp_path / "single.weights.h5")
 
 
+# -- models saved before any training ----------------------------------------------------
+def _dense_model():
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, name="dense")],
+                            name="model")
+
+
+def _embedding_model():
+    return keras.Sequential([
+        keras.Input((2,), dtype="int32"),
+        keras.layers.Embedding(9, 4, name="embedding"),
+        keras.layers.Flatten(name="flatten"),
+        keras.layers.Dense(1, name="dense"),
+    ], name="model")
+
+
+LAYER_MODELS = {"dense": _dense_model, "embedding": _embedding_model}
+
+
+def _batches(layer):
+    rng = np.random.default_rng(7)
+    if layer == "dense":
+        return [(rng.normal(size=(4, 6)).astype("float32"),
+                 rng.normal(size=(4, 3)).astype("float32")) for _ in range(2)]
+    # No id twice in a batch: Keras' Adam squares a repeated row's gradient per
+    # occurrence, a sharded table sums the occurrences first (README, "Known limitations").
+    return [(rng.permutation(9)[:8].reshape(4, 2).astype("int32"),
+             rng.normal(size=(4, 1)).astype("float32")) for _ in range(2)]
+
+
+def _partitioner(kind, num_shards):
+    if kind == "fixed":
+        return kerasps.partitioners.FixedShardsPartitioner(num_shards)
+    # 16-byte shards, at most `num_shards`: a Dense bias of 3 floats stays whole.
+    return kerasps.partitioners.MinSizePartitioner(min_shard_bytes=16, max_shards=num_shards)
+
+
+def _scope(make_strategy, num_shards, kind):
+    """A function entering the scope of a strategy sharding into `num_shards`, or
+    no scope (single process)."""
+    if num_shards is None:
+        return contextlib.nullcontext
+    return make_strategy(variable_partitioner=_partitioner(kind, num_shards)).scope
+
+
+def _most_shards(model):
+    return max(getattr(v, "num_shards", 1) for v in logical_variables(model.weights))
+
+
+def _assert_same_variables(actual, expected):
+    """Whole weights and whole optimizer variables (slots of shards concatenated) agree."""
+    expected_weights = [np.asarray(v.numpy()) for v in logical_variables(expected.weights)]
+    actual_weights = [np.asarray(v.numpy()) for v in logical_variables(actual.weights)]
+    assert len(actual_weights) == len(expected_weights)
+    for actual_value, value in zip(actual_weights, expected_weights):
+        np.testing.assert_allclose(actual_value, value, rtol=1e-5, atol=1e-6)
+    expected_slots, actual_slots = whole_slots(expected.optimizer), whole_slots(actual.optimizer)
+    assert len(actual_slots) == len(expected_slots)
+    for (_, actual_value), (name, value) in zip(actual_slots, expected_slots):
+        np.testing.assert_allclose(actual_value, value, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("partitioner", ["fixed", "min_size"])
+@pytest.mark.parametrize("layer", sorted(LAYER_MODELS))
+@pytest.mark.parametrize("source, target", [(2, 2), (2, 3), (3, 2), (None, 2), (None, 3)],
+                         ids=["2to2", "2to3", "3to2", "unsharded_to_2", "unsharded_to_3"])
+def test_a_model_saved_before_training_loads_into_any_layout(
+        make_strategy, tmp_path, source, target, layer, partitioner):
+    with _scope(make_strategy, source, partitioner)():
+        model = LAYER_MODELS[layer]()
+        model.compile("adam", "mse")
+    never_trained = str(tmp_path / "never_trained.keras")
+    model.save(never_trained)  # its optimizer holds its iteration and learning rate only
+    target_scope = _scope(make_strategy, target, partitioner)
+    with target_scope():
+        loaded = keras.saving.load_model(never_trained)
+    assert _most_shards(loaded) == target
+    assert int(loaded.optimizer.iterations.numpy()) == 0
+    assert all(not np.any(value) for name, value in whole_slots(loaded.optimizer)
+               if name.endswith(("momentum", "velocity")))
+    # It trains on as single-process Keras does, loading the same file.
+    plain = keras.saving.load_model(never_trained)
+    _assert_same_variables(loaded, plain)
+    batches = _batches(layer)
+    train(loaded, batches)
+    train(plain, batches)
+    _assert_same_variables(loaded, plain)
+
+    # Saved after training, the slots are in the file and restore exactly.
+    train(model, batches)
+    trained = str(tmp_path / "trained.keras")
+    model.save(trained)
+    with target_scope():
+        restored = keras.saving.load_model(trained)
+    assert _most_shards(restored) == target
+    assert int(restored.optimizer.iterations.numpy()) == len(batches)
+    _assert_same_variables(restored, model)
+
+
+@pytest.mark.parametrize("layer", sorted(LAYER_MODELS))
+def test_a_never_trained_keras_file_loads_under_the_scope_and_fits(make_strategy, tmp_path,
+                                                                   layer):
+    model = LAYER_MODELS[layer]()
+    model.compile("adam", "mse")
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    strategy = three_shards(make_strategy)
+    with strategy.scope():
+        loaded = keras.saving.load_model(path)
+    x, y = (np.concatenate(parts) for parts in zip(*_batches(layer)))
+    history = loaded.fit(x, y, batch_size=2, epochs=2, verbose=0)
+    assert int(loaded.optimizer.iterations.numpy()) == 2 * len(x) // 2
+    assert np.isfinite(history.history["loss"]).all()
+    assert any(np.any(value) for _, value in whole_slots(loaded.optimizer)[2:])
+
+
 # -- restores that cannot be exact ---------------------------------------------------------
 def snapshot(model):
     return [w.copy() for w in model.get_weights()], [v for _, v in whole_slots(model.optimizer)]
@@ -207,6 +323,25 @@ def test_optimizer_state_that_does_not_line_up_raises_and_changes_nothing(
     with pytest.raises(ValueError, match=r"optimizer 'sgd.*' does not line up.*8"):
         target.load_weights(path)
     assert_unchanged(target, before)
+
+
+def test_optimizer_state_of_another_unbuilt_optimizer_raises_naming_what_differs(
+        make_strategy, tmp_path):
+    # A learning-rate schedule is no variable: this file holds the iteration only.
+    single = build()
+    single.compile(keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(
+        0.1, decay_steps=10, decay_rate=0.9)), "mse")
+    path = str(tmp_path / "model.weights.h5")
+    single.save_weights(path)
+    target = build_under(three_shards(make_strategy))
+    train(target, BATCHES[:1])
+    before = snapshot(target)
+    with pytest.raises(ValueError, match=r"optimizer 'adam\w*' does not line up with it: it has "
+                                         r"8 variables \(2 before it was built\), the file "
+                                         r"holds 1\."):
+        target.load_weights(path)
+    assert_unchanged(target, before)
+    assert int(target.optimizer.iterations.numpy()) == 1
 
 
 def test_checkpoint_of_another_shape_raises_naming_the_variable(trained, make_strategy,

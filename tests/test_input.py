@@ -247,15 +247,70 @@ def test_evaluate_counts_every_example_once_and_matches_keras(strategy, how):
         assert result[name] == pytest.approx(expected[name], rel=1e-5), name
 
 
-@pytest.mark.parametrize("how", ["arrays", "dataset", "exactly_once_creator"])
-def test_predict_returns_one_output_per_input_in_order(strategy, how):
+def predict_inputs(strategy, x):
+    """Every kind of `x` for `predict`, each holding the batches of 10 rows of `x` in order."""
+    dataset = tf.data.Dataset.from_tensor_slices(x).batch(10)
+
+    def sharding_fn(context):  # what a training `dataset_fn` does
+        return tf.data.Dataset.from_tensor_slices(x).shard(
+            context.num_input_pipelines, context.input_pipeline_id).batch(10)
+
+    def ignoring_fn(context):  # the common case for prediction input
+        return tf.data.Dataset.from_tensor_slices(x).batch(10)
+
+    return {
+        "arrays": dict(x=x, batch_size=10),
+        "dataset": dict(x=dataset),
+        "infinite_dataset": dict(x=dataset.repeat()),
+        "distributed_dataset": dict(x=strategy.experimental_distribute_dataset(dataset)),
+        "creator_sharding_by_context": dict(x=kerasps.DatasetCreator(sharding_fn)),
+        "creator_ignoring_context": dict(x=kerasps.DatasetCreator(ignoring_fn)),
+        "infinite_creator": dict(x=kerasps.DatasetCreator(
+            lambda context: ignoring_fn(context).repeat())),
+        "callable": dict(x=ignoring_fn),
+        "distributed_function": dict(x=strategy.distribute_datasets_from_function(ignoring_fn)),
+        "exactly_once_creator": dict(x=once(ignoring_fn)),
+    }
+
+
+PREDICT_INPUTS = ["arrays", "dataset", "infinite_dataset", "distributed_dataset",
+                  "creator_sharding_by_context", "creator_ignoring_context", "infinite_creator",
+                  "callable", "distributed_function", "exactly_once_creator"]
+
+
+@pytest.mark.parametrize("steps", [None, 3, 4, 20])
+@pytest.mark.parametrize("how", PREDICT_INPUTS)
+def test_predict_returns_the_first_batches_once_each_in_order(strategy, how, steps):
+    model, plain = twin(strategy)
+    x, _ = features()  # 103 rows: 11 batches of 10, the last one of 3
+    data = predict_inputs(strategy, x)[how]
+    if how.startswith("infinite") and steps is None:
+        with pytest.raises(ValueError, match=r"argument `steps`.*infinite"):
+            model.predict(verbose=0, **data)
+        return
+    outputs = model.predict(verbose=0, steps=steps, **data)
+    batches = [x[i:i + 10] for i in range(0, len(x), 10)]
+    if how.startswith("infinite"):
+        batches = batches * 2
+    expected = np.concatenate(batches[:steps])  # the first `steps` batches, in order
+    # Duplicated, missing or reordered batches change the rows compared.
+    np.testing.assert_allclose(outputs, plain.predict(expected, verbose=0), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_predict_calls_a_dataset_fn_once_for_a_single_pipeline(strategy):
     model, plain = twin(strategy)
     x, _ = features()
-    dataset = tf.data.Dataset.from_tensor_slices(x).batch(10)
-    data = {"arrays": lambda: dict(x=x, batch_size=10), "dataset": lambda: dict(x=dataset),
-            "exactly_once_creator": lambda: dict(x=once(lambda context: dataset))}[how]()
-    outputs = model.predict(verbose=0, **data)
+    contexts = []
+
+    def dataset_fn(context):
+        contexts.append((context.num_input_pipelines, context.input_pipeline_id))
+        return tf.data.Dataset.from_tensor_slices(x).shard(
+            context.num_input_pipelines, context.input_pipeline_id).batch(10)
+
+    outputs = model.predict(kerasps.DatasetCreator(dataset_fn), verbose=0)
     np.testing.assert_allclose(outputs, plain.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    assert set(contexts) == {(1, 0)}
 
 
 # -- Shard policies ------------------------------------------------------------------

@@ -63,10 +63,16 @@ A compiled model need not be built first: `fit`, `evaluate` and the
 `predict_on_batch` build its layers only (there are no targets).
 
 `evaluate` and `predict` without `steps` run until every worker's dataset is
-exhausted, visiting each element once; `predict` returns outputs in input
-order (for a `DatasetCreator`, in the order of the workers' batches
-interleaved: batch `j` of worker `i` is batch `j * num_workers + i`; with
-`exactly_once=True`, the dataset's own order).
+exhausted, visiting each element once. `predict` returns each of the input's
+first `steps` batches (all of them without `steps`) once, in input order. It
+reads one pipeline whatever the input, as tf_keras' `predict` did: a
+`DatasetCreator`'s `dataset_fn` is called once, on the coordinator, with
+`InputContext(num_input_pipelines=1, input_pipeline_id=0)` (kerasps cannot tell
+whether a `dataset_fn` shards by its context; one that ignores it would give
+every worker the same batches). Every worker runs that pipeline and keeps
+batches `k` with `k % num_workers == i`; the function for batch `k` runs on
+worker `k % num_workers`. The pipeline must yield the same batches in the same
+order on every worker (no unseeded shuffling).
 """
 
 from __future__ import annotations

@@ -62,7 +62,10 @@ def make_source(x, y, sample_weight, batch_size, shuffle, training, strategy, ar
     without `steps` are read exactly once per epoch (`kerasps.InputOptions(exactly_once=True)`)
     unless `strategy.experimental_distribute_dataset(x, options)` says
     otherwise; for evaluation each worker reads its shard to the end (also
-    once). Prediction always gives each worker every `num_workers`-th batch
+    once). Prediction reads one pipeline: a `DatasetCreator`'s `dataset_fn` is
+    called once, with `InputContext(num_input_pipelines=1, input_pipeline_id=0)`
+    (as tf_keras' `predict` called it), and, like a dataset or arrays, each
+    worker runs that pipeline and keeps every `num_workers`-th batch
     (`shard_policy="data"`), the order its results are put back in.
     """
     x, distributed_options = input_lib.unwrap_distributed(x, arg)
@@ -71,10 +74,11 @@ def make_source(x, y, sample_weight, batch_size, shuffle, training, strategy, ar
         _require_none_with_batches("`DatasetCreator`", arg, y=y, sample_weight=sample_weight,
                                    batch_size=batch_size)
         creator = x if isinstance(x, input_lib.DatasetCreator) else input_lib.DatasetCreator(x)
-        if predicting and input_lib.as_input_options(creator.input_options).exactly_once:
-            x = input_lib.whole_dataset(strategy, creator)  # read per batch, in order
-        else:
+        if not predicting:
             return Source(creator, options=creator.input_options, creator=creator)
+        # Prediction reads one pipeline, as tf_keras' predict did: per-worker pipelines
+        # of a `dataset_fn` that ignores its context would each yield the same batches.
+        x = input_lib.whole_dataset(strategy, creator)
 
     if isinstance(x, tf.data.Dataset):
         _require_none_with_batches("`tf.data.Dataset`", arg, y=y, sample_weight=sample_weight,
@@ -144,8 +148,9 @@ def per_worker_dataset(coordinator, source, purpose):
     "predict").
 
     The pipelines of a `DatasetCreator` are traced once per coordinator and
-    purpose and reused by later `fit`/`evaluate`/`predict` calls (each call
-    still starts fresh iterators); pass a new `DatasetCreator` to rebuild them.
+    purpose and reused by later `fit`/`evaluate` calls (each call still starts
+    fresh iterators); pass a new `DatasetCreator` to rebuild them. (`predict`
+    reads a single pipeline, see `make_source`.)
     """
     cache = coordinator._dataset_cache.setdefault(source.creator, {}) if (
         source.creator is not None) else {}

@@ -18,8 +18,12 @@ from kerasps.trainer.steps import make_predict_function
 def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
     """`model.predict` under a kerasps strategy; arguments as in `keras.Model.predict`.
 
-    Returns NumPy arrays (in the structure of the model's outputs) in input
-    order; see the module docstring for `DatasetCreator` inputs.
+    Returns NumPy arrays (in the structure of the model's outputs): the
+    predictions of the input's first `steps` batches (all of them without
+    `steps`), each once, in input order. A `kerasps.DatasetCreator` is read as
+    one pipeline, as tf_keras' `predict` read it: its `dataset_fn` is called
+    once, with `InputContext(num_input_pipelines=1, input_pipeline_id=0)`,
+    whether or not it shards by its context; see `kerasps.trainer`.
     """
     check_model(model, "predict")
     from kerasps.coordinator import ClusterCoordinator
