@@ -664,10 +664,12 @@ def test_a_sum_aggregated_variable_assigned_in_replicas(strategy, coordinator):
 
 
 def distributed(strategy, how):
-    dataset = tf.data.Dataset.range(1, 11).batch(4)
+    def dataset_fn(_=None):  # each worker makes its own (see the input-error test above)
+        return tf.data.Dataset.range(1, 11).batch(4)
+
     if how == "from_function":
-        return strategy.distribute_datasets_from_function(lambda _: dataset)
-    return strategy.experimental_distribute_dataset(dataset)
+        return strategy.distribute_datasets_from_function(dataset_fn)
+    return strategy.experimental_distribute_dataset(dataset_fn())
 
 
 @pytest.mark.parametrize("how", ["from_function", "from_dataset"])
@@ -760,7 +762,8 @@ def test_per_worker_dataset_element_spec(coordinator, strategy):
     """testPerWorkerDistributeDatasetsElementSpec (one replica per worker here)."""
     dataset = tf.data.Dataset.from_tensor_slices([1, 2])
     per_worker = coordinator.create_per_worker_dataset(
-        lambda: strategy.distribute_datasets_from_function(lambda _: dataset))
+        lambda: strategy.distribute_datasets_from_function(
+            lambda _: tf.data.Dataset.from_tensor_slices([1, 2])))
     assert strategy.num_replicas_in_sync == 1
     assert per_worker.element_spec == dataset.element_spec
     assert coordinator.create_per_worker_dataset(dataset).element_spec == dataset.element_spec

@@ -277,7 +277,8 @@ def test_verbose_is_keras_own(strategy, capsys):
 def test_tensorboard_writes_event_files(strategy, tmp_path):
     """testModelFitTensorBoardEpochLevel."""
     log_dir = tmp_path / "logs"
-    fit(compile_model(strategy), callbacks=[keras.callbacks.TensorBoard(str(log_dir))])
+    fit(compile_model(strategy), epochs=1, validation_data=None,
+        callbacks=[keras.callbacks.TensorBoard(str(log_dir))])
     written = [f for _, _, files in os.walk(log_dir) for f in files]
     assert any(f.startswith("events.out.tfevents") for f in written)
 
