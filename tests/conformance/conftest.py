@@ -13,12 +13,6 @@ def coordinator(strategy):
 
 
 @pytest.fixture
-def unsharded(make_strategy):
-    """A strategy without a partitioner: every variable whole on one ps task."""
-    return make_strategy()
-
-
-@pytest.fixture
 def shards(make_strategy):
     """`shards(n)`: a strategy splitting every variable of 2+ rows into `n` shards, or
     None (no strategy: single-process Keras) for `n == 1`."""

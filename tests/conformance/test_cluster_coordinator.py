@@ -32,6 +32,7 @@ Skipped, with why:
 
 import logging
 import time
+import types
 
 import keras
 import numpy as np
@@ -325,20 +326,16 @@ def functions(strategy):
 
     @tf.function
     def long():
-        # Local work only (reading `stop` on the ps every turn can hang the
-        # cancellation, see the report); bounded, in case it is not cancelled.
+        # Local work only: cancelling a loop that reads a ps variable every turn can
+        # hang TensorFlow's join (1 run in 6, with TensorFlow's own strategy too).
+        # Bounded, in case it is not cancelled.
         deadline = tf.timestamp() + 60.0
         spins = tf.constant(0)
         while tf.timestamp() < deadline:
             spins += 1
         return spins
 
-    class Functions:
-        pass
-
-    functions = Functions()
-    functions.normal, functions.error, functions.long = normal, error, long
-    return functions
+    return types.SimpleNamespace(normal=normal, error=error, long=long)
 
 
 def test_join_raises_the_error(coordinator, functions):
