@@ -210,6 +210,9 @@ class ShardedVariable(_keras.KerasTFVariable):
         """Makes `shards` (variables with the same trailing dims) this variable's rows."""
         for shard in shards:
             shard._kerasps_container = self
+        # On ps tasks when its shards are: `_keras.install` then remembers the sums of
+        # `v + delta` for metric accumulators, which `assign` makes atomic.
+        self._kerasps_remote = all(getattr(s, "_kerasps_remote", False) for s in shards)
         self._shards = list(shards)
         self._sizes = [int(shard.shape[0]) for shard in shards]
         self._offsets = [0, *itertools.accumulate(self._sizes)][:-1]
@@ -354,9 +357,27 @@ class ShardedVariable(_keras.KerasTFVariable):
         return value
 
     def assign(self, value):
+        delta = self._accumulated_delta(value)
         if _keras.in_stateless_scope():
             return super().assign(value)
+        if delta is not None:
+            # Keras metrics accumulate with `v.assign(v + delta)`, a read and a write:
+            # workers doing it at once lose updates. Add `delta` to every shard with
+            # TensorFlow's atomic AssignAddVariableOp instead (as `_keras.install` does
+            # for unsharded accumulators).
+            self._per_shard("assign_add", delta)
+            return value
         return self._per_shard("assign", value)
+
+    def _accumulated_delta(self, value):
+        """`delta` if `value` is the sum `self + delta` that `_keras.install` remembered
+        for this metric accumulator (ps variables, `synchronization="on_read"`, in a
+        traced function), else None."""
+        last_sum = getattr(self, "_kerasps_last_sum", None)
+        if last_sum is None or value is not last_sum[0]:
+            return None
+        self._kerasps_last_sum = None
+        return tf.broadcast_to(tf.cast(last_sum[1], self._dtype), self._shape)
 
     def _direct_assign(self, value):
         self._per_shard("_direct_assign", value)
