@@ -143,7 +143,8 @@ def jobset(spec: LaunchSpec, name: str, image: str, script: str | None = None) -
             "name": kind,
             "replicas": counts[kind],
             "template": {"spec": {
-                "parallelism": 1, "completions": 1,
+                # An Indexed Job's pod is named, and found in DNS, by its job and index.
+                "completionMode": "Indexed", "parallelism": 1, "completions": 1,
                 "backoffLimit": 0 if chief else spec.max_restarts,
                 "template": {"spec": {"restartPolicy": "Never" if chief else "OnFailure",
                                       "containers": [container]}}}},

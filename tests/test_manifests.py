@@ -244,6 +244,7 @@ def test_jobset_restarts_each_server_in_place_within_its_own_budget():
     for kind, replicated in jobs.items():
         job = replicated["template"]["spec"]
         assert job["parallelism"] == job["completions"] == 1  # a task is a Job of one pod
+        assert job["completionMode"] == "Indexed"  # hostname <job>-0 in the JobSet's subdomain
         restart = job["template"]["spec"]["restartPolicy"]
         if kind == "chief":
             assert (job["backoffLimit"], restart) == (0, "Never")
