@@ -209,8 +209,10 @@ def notes(spec: LaunchSpec, kind: str) -> str:
             f"Restarts, as `kerasps launch --max-restarts {n}`: each worker, ps and evaluator",
             f"pod restarts in place (same pod, same address) up to backoffLimit = {n} times;",
             "the chief is not restarted. One more failure fails its Job, and with",
-            "failurePolicy.maxRestarts 0 the JobSet, which deletes every pod. Unlike",
-            "`kerasps launch`, Kubernetes waits between restarts (10 s, doubling, at most 6 min).",
+            "failurePolicy.maxRestarts 0 the JobSet, which deletes every pod (raise it to",
+            "recreate every pod instead, the chief resuming from a BackupAndRestore backup on a",
+            "shared volume). Unlike `kerasps launch`, Kubernetes waits between restarts",
+            "(10 s, doubling, at most 6 min).",
             "The JobSet succeeds when the chief" + (" and the evaluator have" if spec.evaluator
                                                     else " has") + " exited with status 0;",
             "its worker and ps pods are deleted then.",
