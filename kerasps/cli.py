@@ -74,10 +74,13 @@ def parser() -> argparse.ArgumentParser:
                         help="also run the script as task `evaluator 0` for side-car evaluation "
                              "(kerasps.SidecarEvaluator)")
     launch.add_argument("--emit", choices=["k8s"], default=None,
-                        help="write a Kubeflow TFJob and a plain Kubernetes manifest, run nothing")
+                        help="write Kubernetes manifests for the job, run nothing: a JobSet "
+                             "(NAME.jobset.yaml) and a Kubeflow v1 TFJob (NAME.tfjob.yaml); the "
+                             "script's path is taken relative to the image's working directory")
     launch.add_argument("--image", help="container image holding kerasps and the script "
                                         "(required with --emit)")
-    launch.add_argument("--name", help="job name in the manifests (default: the script's name)")
+    launch.add_argument("--name", help="job name in the manifests, made a DNS-1035 label "
+                                       "(default: the script's name)")
     launch.add_argument("--output-dir", default=".", help="where --emit writes (default .)")
     launch.add_argument("program", nargs=argparse.REMAINDER,
                         help="the chief's script and its arguments")
@@ -124,13 +127,17 @@ def _launch(args) -> int:
               "and the script)", file=sys.stderr)
         return 2
     name = manifests.job_name(args.name or os.path.splitext(os.path.basename(spec.program[0]))[0])
+    script, warning = manifests.script_in_image(spec.program[0])
+    if warning:
+        print(f"kerasps launch: warning: {warning}", file=sys.stderr)
     os.makedirs(args.output_dir, exist_ok=True)
-    outputs = {f"{name}.tfjob.yaml": manifests.tfjob(spec, name, args.image),
-               f"{name}.k8s.yaml": manifests.kubernetes(spec, name, args.image)}
-    for filename, objects in outputs.items():
+    outputs = {f"{name}.jobset.yaml": ("JobSet", manifests.jobset),
+               f"{name}.tfjob.yaml": ("TFJob", manifests.tfjob)}
+    for filename, (kind, make) in outputs.items():
         path = os.path.join(args.output_dir, filename)
         with open(path, "w") as f:
-            f.write(manifests.dump(objects))
+            f.write(manifests.dump(make(spec, name, args.image, script),
+                                   header=manifests.notes(spec, kind)))
         print(path)
     return 0
 

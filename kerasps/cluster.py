@@ -13,6 +13,13 @@ set on every task:
     {"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222", ...],
                  "ps": ["host2:2222", ...]},
      "task": {"type": "chief", "index": 0}}
+
+In a pod of a JobSet (kubernetes-sigs/jobset, what `kerasps launch --emit k8s`
+writes) nobody sets `TF_CONFIG`: `tf_config_from_jobset` builds it from what
+JobSet gives every pod (its JobSet's name, its replicated job's name and its
+job's index, through the variables of `JOBSET_ENV`) and the replica counts of
+`$KERASPS_JOBSET_REPLICAS`, the same in every pod. `from_tf_config`, `task_type`
+and `serve` do so when `TF_CONFIG` is not set.
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ from kerasps._validation import positive_int
 __all__ = [
     "in_process",
     "from_tf_config",
+    "tf_config_from_jobset",
+    "JOBSET_ENV",
+    "JOBSET_REPLICAS_ENV",
+    "JOBSET_PORT",
     "task_type",
     "serve",
     "parse_tf_config",
@@ -36,6 +47,19 @@ __all__ = [
 ]
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+
+# What JobSet (v0.8 and newer) writes on every pod it creates, read through the downward API
+# (`env[].valueFrom.fieldRef`): environment variable -> pod annotation.
+JOBSET_ENV = {
+    "KERASPS_JOBSET_NAME": "jobset.sigs.k8s.io/jobset-name",
+    "KERASPS_REPLICATED_JOB": "jobset.sigs.k8s.io/replicatedjob-name",
+    "KERASPS_JOB_INDEX": "jobset.sigs.k8s.io/job-index",
+    "KERASPS_REPLICATED_JOB_REPLICAS": "jobset.sigs.k8s.io/replicatedjob-replicas",
+}
+# The replicas of each replicated job as JSON (`{"chief": 1, "worker": 4, "ps": 2}`): the
+# one thing a pod cannot read about the other replicated jobs, the same in every pod.
+JOBSET_REPLICAS_ENV = "KERASPS_JOBSET_REPLICAS"
+JOBSET_PORT = 2222  # every task serves on this port (TFJob's default)
 
 # In-process servers cannot be stopped; keep them referenced for the process lifetime.
 _SERVERS = []
@@ -216,14 +240,95 @@ def parse_tf_config(text: str) -> dict:
     return {"cluster": cluster, "task_type": task_type, "task_index": task_index}
 
 
+def _jobset_value(environ, name: str, what: str) -> str:
+    value = environ.get(name)
+    if not value:
+        raise ValueError(
+            f"Invalid value for `{name}`: a JobSet pod needs it ({what}). Received: "
+            f"{name}={value!r}")
+    return value
+
+
+def _jobset_int(environ, name: str, what: str) -> int:
+    text = _jobset_value(environ, name, what)
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"Invalid value for `{name}`: expected an integer ({what}). "
+                         f"Received: {name}={text!r}") from None
+
+
+def tf_config_from_jobset(environ=None) -> str | None:
+    """The `TF_CONFIG` of this pod of a JobSet, or `None` outside one.
+
+    Every task of the job is one Job of one pod, in the replicated job named after
+    its task type (`chief`, `worker`, `ps`, `evaluator`); task `worker 3` is the pod
+    of Job 3 of `worker`, reached at `<jobset>-worker-3-0.<jobset>:2222` through the
+    JobSet's headless Service (the JobSet's default subdomain, its name). The pod
+    learns its JobSet's name, its replicated job and its job index from the JobSet's
+    annotations (`JOBSET_ENV`), and the replica counts from `$KERASPS_JOBSET_REPLICAS`,
+    so one pod template serves every pod of a replicated job.
+
+    Args:
+        environ: the environment to read; defaults to `os.environ`.
+
+    Returns:
+        The JSON text, or `None` when `$KERASPS_JOBSET_NAME` is not set.
+
+    Raises:
+        ValueError: naming the variable and its value, when one is missing or
+            malformed, or the counts disagree with the JobSet's.
+    """
+    environ = os.environ if environ is None else environ
+    if not environ.get("KERASPS_JOBSET_NAME"):
+        return None
+    name = _jobset_value(environ, "KERASPS_JOBSET_NAME", "the JobSet's name")
+    task_type = _jobset_value(environ, "KERASPS_REPLICATED_JOB", "the replicated job's name")
+    index = _jobset_int(environ, "KERASPS_JOB_INDEX", "the job's index in its replicated job")
+    text = _jobset_value(environ, JOBSET_REPLICAS_ENV, "the replicas of each replicated job")
+    try:
+        replicas = json.loads(text)
+    except json.JSONDecodeError:
+        replicas = None
+    if not isinstance(replicas, dict) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0
+            for n in replicas.values()):
+        raise ValueError(
+            f"Invalid value for `{JOBSET_REPLICAS_ENV}`: expected a JSON object of replica "
+            f'counts, e.g. {{"chief": 1, "worker": 2, "ps": 1}}. Received: '
+            f"{JOBSET_REPLICAS_ENV}={text!r}")
+    if task_type not in replicas:
+        raise ValueError(
+            f"Invalid value for `KERASPS_REPLICATED_JOB`: this pod's replicated job is not "
+            f"among those of `{JOBSET_REPLICAS_ENV}` ({sorted(replicas)}). Received: "
+            f"KERASPS_REPLICATED_JOB={task_type!r}")
+    own = environ.get("KERASPS_REPLICATED_JOB_REPLICAS")
+    if own is not None and own != str(replicas[task_type]):
+        raise ValueError(
+            f"Invalid value for `{JOBSET_REPLICAS_ENV}`: the JobSet runs {own} `{task_type}` "
+            f"job(s) but it declares {replicas[task_type]}; change both together. Received: "
+            f"{JOBSET_REPLICAS_ENV}={text!r}")
+    completion = environ.get("JOB_COMPLETION_INDEX", "0")
+    if completion != "0":
+        raise ValueError(
+            "Invalid value for `JOB_COMPLETION_INDEX`: every task is a Job of one pod "
+            "(`completions: 1`). Received: JOB_COMPLETION_INDEX=" + repr(completion))
+    cluster = {
+        kind: [f"{name}-{kind}-{i}-0.{name}:{JOBSET_PORT}" for i in range(replicas[kind])]
+        for kind in ("chief", "worker", "ps") if replicas.get(kind)}
+    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+
+
 def _read_tf_config(tf_config: str | None) -> dict:
-    """Parses `tf_config`, or the `TF_CONFIG` environment variable when it is `None`."""
+    """Parses `tf_config`, or when it is `None` the `TF_CONFIG` environment variable or, in a
+    JobSet's pod, the one `tf_config_from_jobset` builds."""
     if tf_config is None:
-        tf_config = os.environ.get("TF_CONFIG")
+        tf_config = os.environ.get("TF_CONFIG") or tf_config_from_jobset()
         if not tf_config:
             raise ValueError(
                 "Invalid value for `TF_CONFIG`: the environment variable is not "
-                f"set or empty. Received: TF_CONFIG={tf_config!r}"
+                f"set or empty, and this is no JobSet pod (`KERASPS_JOBSET_NAME` is not "
+                f"set). Received: TF_CONFIG={os.environ.get('TF_CONFIG')!r}"
             )
     parsed = parse_tf_config(tf_config)
     # The evaluator runs beside the training cluster, not in it.
@@ -235,7 +340,8 @@ def from_tf_config(tf_config: str | None = None):
     """Returns a resolver for the cluster described by `TF_CONFIG`.
 
     Args:
-        tf_config: the JSON text; defaults to the `TF_CONFIG` environment variable.
+        tf_config: the JSON text; defaults to the `TF_CONFIG` environment variable or,
+            in a JobSet's pod, the one `tf_config_from_jobset` builds.
 
     Returns:
         A `tf.distribute.cluster_resolver.SimpleClusterResolver` with the task's
@@ -274,12 +380,13 @@ def task_type(tf_config: str | None = None) -> str | None:
 
     Returns:
         `"chief"`, `"worker"`, `"ps"` or `"evaluator"`; `None` when `TF_CONFIG` is not
-        set (or names no task).
+        set (or names no task) and this is no JobSet pod.
 
     Raises:
         ValueError: if `TF_CONFIG` is malformed.
     """
-    if tf_config is None and not os.environ.get("TF_CONFIG"):
+    if tf_config is None and not os.environ.get("TF_CONFIG") and not os.environ.get(
+            "KERASPS_JOBSET_NAME"):
         return None
     return _read_tf_config(tf_config)["task_type"]
 

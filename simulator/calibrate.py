@@ -39,6 +39,10 @@ import numpy as np
 from simulator.distributions import ShiftedExponential
 from simulator.scenario import Mode, Scenario
 
+# A Kolmogorov-Smirnov distance above this between the step times and their fit is a poor
+# fit (any simulated distribution differs from the data by that much somewhere).
+POOR_FIT_KS = 0.1
+
 __all__ = ["StepTimeFit", "CalibratedModel", "calibrate", "predict_throughput", "mva_throughput",
            "predict_sync_step_time", "synthetic_trace"]
 
@@ -159,6 +163,10 @@ class CalibratedModel:
             f"{p.shift:.6f} s, rate {p.rate:.3f}/s (KS distance {p.ks:.3f})",
             f"coordinator gap between a worker's steps: {self.gap:.6f} s",
         ]
+        if p.ks > POOR_FIT_KS:
+            lines.insert(2, f"warning: poor fit (KS distance {p.ks:.3f} > {POOR_FIT_KS}): the "
+                            "step times are not a shifted exponential; simulated step times, "
+                            "their tail above all, will differ from the measured ones")
         for f in self.per_worker:
             lines.append(f"  worker {f.worker}: {f.count} steps, mean {f.mean:.6f} s, "
                          f"shift {f.shift:.6f} s, rate {f.rate:.3f}/s (KS {f.ks:.3f})")

@@ -30,10 +30,12 @@ def _run(args) -> int:
 
     scenario = load_scenario(args.scenario)
     overrides = {k: parse_value(v) for k, v in _overrides(args.set, "--set").items()}
+    given = [f"--set {pair}" for pair in args.set or []]
     if args.seed is not None:
         overrides["seed"] = args.seed
+        given.append(f"--seed {args.seed}")
     if overrides:
-        scenario = scenario.with_overrides(overrides)
+        scenario = scenario.with_overrides(overrides, source=" ".join(given))
     result = run(scenario, record_events=args.trace is not None)
     print(result)
     if args.json:
@@ -49,6 +51,7 @@ def _run(args) -> int:
 
 def _sweep(args) -> int:
     from simulator import plots
+    from simulator.metrics import metric_names
     from simulator.sweep import sweep, sweep_csv, sweep_rows
 
     scenario = load_scenario(args.scenario)
@@ -57,13 +60,18 @@ def _sweep(args) -> int:
     if not vary:
         raise ScenarioError("Invalid value for `--vary`: give at least one KEY=V1,V2,... "
                             "Received: no --vary")
-    points = sweep(scenario, vary, repeats=args.repeats)
-    columns = list(vary) + ["finished", "steps_per_second", "examples_per_second", "goodput",
-                            "gradients_dropped", "steps_lost", "staleness.mean"]
+    num_ps = max([scenario.ps.count] + [v for v in vary.get("ps.count", [])
+                                        if isinstance(v, int)])
+    names = metric_names(num_ps)
+    if args.metric not in names:
+        raise ScenarioError(f"Invalid value for `--metric`: expected one of {names}. "
+                            f"Received: --metric {args.metric}")
+    points = sweep(scenario, vary, repeats=args.repeats, source="--vary")
     rows = sweep_rows(points)
-    print("  ".join(f"{c:>18}" for c in columns))
+    columns = list(vary) + _sweep_columns(rows)
+    print("  ".join(f"{c:>{max(len(c), 10)}}" for c in columns))
     for row in rows:
-        print("  ".join(f"{_fmt(row.get(c)):>18}" for c in columns))
+        print("  ".join(f"{_fmt(row.get(c)):>{max(len(c), 10)}}" for c in columns))
     if args.csv:
         sweep_csv(points, args.csv)
     if args.json:
@@ -74,6 +82,20 @@ def _sweep(args) -> int:
         ax = plots.plot_sweep(points, x=list(vary)[0], y=args.metric)
         ax.figure.savefig(args.plot)
     return 0
+
+
+def _sweep_columns(rows: list[dict]) -> list[str]:
+    """The sweep table's metrics: the headline ones, and those that vary from zero where
+    the scenario has them (staleness in async runs, failures, unfinished runs)."""
+    columns = ["steps_per_second", "examples_per_second", "goodput", "applied_fraction",
+               "global_step_interval.p50", "global_step_interval.p99"]
+    if any(not row["finished"] for row in rows):
+        columns.insert(0, "finished")
+    if any(row["rolled_back_steps"] for row in rows):
+        columns.append("rolled_back_steps")
+    if any(row["staleness.count"] for row in rows):
+        columns.append("staleness.mean")
+    return columns
 
 
 def _fmt(value) -> str:
@@ -127,7 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", help="write one row per run")
     p.add_argument("--json", help="write one object per run")
     p.add_argument("--plot", help="plot --metric against the first --vary key")
-    p.add_argument("--metric", default="steps_per_second", help="metric to plot")
+    p.add_argument("--metric", default="steps_per_second",
+                   help="metric to plot: a numeric key of the run's flat summary, e.g. "
+                        "steps_per_second, goodput, applied_fraction, "
+                        "global_step_interval.p99 (checked before anything runs)")
     p.set_defaults(func=_sweep)
 
     p = sub.add_parser("calibrate", help="fit the step-time model to kerasps traces")

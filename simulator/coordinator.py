@@ -172,6 +172,7 @@ class Coordinator:
         self.last_checkpoint = 0
         self._applied_at_checkpoint = 0  # `metrics.applied` when the last checkpoint was taken
         self._applied_at_request = 0
+        self._since = 0.0  # when the time of the next global step starts counting
         self.done = env.event()
         self.ended = env.event()
         self.restarts = Restarts(max_restarts)
@@ -195,13 +196,17 @@ class Coordinator:
         if self._holds == 0:
             gate, self.gate = self.gate, None
             gate.succeed()
+            self._since = self.env.now  # a pause is no step's time
 
     # Progress.
     def apply(self, gradients: int):
         """Applies one model update made of `gradients` worker gradients."""
+        now = self.env.now
         self.version += 1
         self.metrics.applied += gradients
-        self.metrics.step_ends.append(self.env.now)
+        self.metrics.step_ends.append(now)
+        self.metrics.step_work.append(now - self._since)
+        self._since = now
         if self.version >= self._steps:
             if not self.done.triggered:
                 self.done.succeed()
@@ -274,12 +279,13 @@ class Coordinator:
                 worker.process.interrupt(Abort(actor))
         lost_steps = self.version - self.last_checkpoint
         self.metrics.failures.append((env.now, actor, "crash", lost_steps))
-        self.metrics.steps_lost += lost_steps
+        self.metrics.rolled_back_steps += lost_steps
         rolled_back = self.metrics.applied - self._applied_at_checkpoint
         self.metrics.lost += rolled_back
         self.metrics.applied -= rolled_back
         self.version = self.last_checkpoint
         del self.metrics.step_ends[self.version:]
+        del self.metrics.step_work[self.version:]
         self.policy.reset()
         start = env.now
         yield env.timeout(crash.downtime + self.checkpoint.restore_time)

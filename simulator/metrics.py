@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-__all__ = ["Metrics", "Result", "describe"]
+__all__ = ["Metrics", "Result", "describe", "metric_names"]
 
 
 class Metrics:
@@ -23,11 +23,16 @@ class Metrics:
         dropped: gradients thrown away on purpose (sync backups, staleness bound).
         lost: worker steps lost to failures (interrupted or rolled back).
         step_times: duration of each completed worker step.
+        dropped_step_times: the drawn duration of each step that backup workers made a
+            worker drop (cancelled in flight), when it is known: steps that queue for ps
+            tasks or a shared CPU have none.
         staleness: staleness of each applied gradient (async).
         step_ends: time of each kept global step.
-        steps_lost: global steps rolled back by failures.
+        step_work: for each kept global step, the seconds it took: since the previous
+            global step, or since training resumed after a checkpoint pause or a recovery.
+        rolled_back_steps: global steps rolled back by failures.
         downtime: seconds the job spent recovering from ps/coordinator failures.
-        failures: `(time, actor, kind, steps_lost)` tuples.
+        failures: `(time, actor, kind, rolled_back_steps)` tuples.
         checkpoints: `(time, step)` tuples.
         ended_by: `None`, or the task whose spent restart budget ended the job:
             `{"time", "task", "restarts", "reason"}`.
@@ -41,9 +46,11 @@ class Metrics:
         self.dropped = 0
         self.lost = 0
         self.step_times: list[float] = []
+        self.dropped_step_times: list[float] = []
         self.staleness: list[int] = []
         self.step_ends: list[float] = []
-        self.steps_lost = 0
+        self.step_work: list[float] = []
+        self.rolled_back_steps = 0
         self.downtime = 0.0
         self.failures: list[tuple] = []
         self.checkpoints: list[tuple] = []
@@ -80,20 +87,24 @@ class Result:
             lost (steps still in flight when the run stops are not counted).
         gradients_applied: gradients in the final model.
         gradients_dropped: gradients thrown away by the policy.
-        gradients_lost: worker steps lost to failures.
-        steps_lost: global steps rolled back by failures.
+        gradients_lost: worker steps lost to failures (interrupted in flight, or
+            rolled back with the global steps they were in).
+        rolled_back_steps: global steps rolled back by failures (to the last checkpoint).
         downtime: seconds spent recovering from job failures.
         ps: one dict per ps task: `index`, `bytes`, `traffic_bytes`, `utilization`.
-        failures: `(time, actor, kind, steps_lost)` tuples.
+        failures: `(time, actor, kind, rolled_back_steps)` tuples.
         checkpoints: `(time, step)` tuples.
         restarts: restarts of each worker and ps task that was restarted
             (`{"worker:1": 2}`).
         ended_by: `None`, or why the job ended early as `kerasps launch` would
             end it: `{"time", "task", "restarts", "reason"}` of the worker or ps
             task that crashed once more than `failures.max_restarts` allows.
-        step_times: worker step durations (NumPy array).
+        step_times: durations of completed worker steps (NumPy array).
+        dropped_step_times: drawn durations of the steps backup workers made others
+            drop, where known (NumPy array; see `Metrics`).
         staleness: staleness of applied gradients (NumPy array, async).
         step_ends: time of each kept global step (NumPy array).
+        step_work: seconds each kept global step took, pauses excluded (NumPy array).
         events: per worker step `(worker, start, end, version, outcome)`, if recorded.
     """
 
@@ -109,7 +120,7 @@ class Result:
     gradients_applied: int
     gradients_dropped: int
     gradients_lost: int
-    steps_lost: int
+    rolled_back_steps: int
     downtime: float
     ps: list
     failures: list
@@ -119,6 +130,9 @@ class Result:
     step_times: np.ndarray = dataclasses.field(repr=False)
     staleness: np.ndarray = dataclasses.field(repr=False)
     step_ends: np.ndarray = dataclasses.field(repr=False)
+    dropped_step_times: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros(0), repr=False)
+    step_work: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0), repr=False)
     events: list | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -135,8 +149,22 @@ class Result:
 
     @property
     def goodput(self) -> float:
-        """Useful worker steps (gradients in the final model) / executed worker steps."""
+        """Share of the wall time spent on global steps that count: the seconds the kept
+        steps took (`step_work`) over `elapsed`. Checkpoint pauses, recoveries, waits for
+        too few workers and steps rolled back by failures are the rest."""
+        return float(self.step_work.sum()) / self.elapsed if self.elapsed > 0 else float("nan")
+
+    @property
+    def applied_fraction(self) -> float:
+        """Worker steps whose gradients are in the final model / worker steps executed
+        (the rest were dropped on purpose or lost to failures)."""
         return self.gradients_applied / self.worker_steps if self.worker_steps else float("nan")
+
+    @property
+    def worker_step_times(self) -> np.ndarray:
+        """Durations of the completed worker steps and of the steps backup workers made
+        others drop (at their drawn durations, where known)."""
+        return np.concatenate([self.step_times, self.dropped_step_times])
 
     @property
     def step_time(self) -> float:
@@ -166,13 +194,15 @@ class Result:
             "gradients_dropped": self.gradients_dropped,
             "gradients_lost": self.gradients_lost,
             "goodput": self.goodput,
-            "steps_lost": self.steps_lost,
+            "applied_fraction": self.applied_fraction,
+            "rolled_back_steps": self.rolled_back_steps,
             "downtime": self.downtime,
             "num_failures": len(self.failures),
             "num_checkpoints": len(self.checkpoints),
             "restarts": dict(self.restarts),
             "ended_by": self.ended_by,
-            "worker_step_time": describe(self.step_times),
+            "worker_step_time": {**describe(self.worker_step_times),
+                                 "dropped": int(self.dropped_step_times.size)},
             "global_step_interval": describe(intervals),
             "staleness": describe(self.staleness),
             "ps": self.ps,
@@ -221,35 +251,61 @@ class Result:
 
     def __str__(self) -> str:
         s = self.summary()
+        step_time, interval = s["worker_step_time"], s["global_step_interval"]
+
+        def line(label, text):
+            return f"  {label:<21}{text}"
+
         lines = [
             f"{s['name']} ({s['mode']}, {s['num_workers']} workers, seed {s['seed']})",
-            f"  simulated time     {s['elapsed']:.3f} s"
-            + ("" if s["finished"] else "  (stopped before training.steps)"),
-            f"  steps              {s['steps']:,}  ({s['steps_per_second']:.3f} steps/s, "
-            f"{s['examples_per_second']:.1f} examples/s)",
-            f"  worker steps       {s['worker_steps']:,}  (applied {s['gradients_applied']:,}, "
-            f"dropped {s['gradients_dropped']:,}, lost {s['gradients_lost']:,})",
-            f"  goodput            {s['goodput']:.3f}",
-            f"  worker step time   mean {s['worker_step_time']['mean']:.4f} s, "
-            f"p99 {s['worker_step_time']['p99']:.4f} s",
+            line("simulated time", f"{s['elapsed']:.3f} s"
+                 + ("" if s["finished"] else "  (stopped before training.steps)")),
+            line("steps", f"{s['steps']:,}  ({s['steps_per_second']:.3f} steps/s, "
+                          f"{s['examples_per_second']:.1f} examples/s)"),
+            line("goodput", f"{s['goodput']:.3f}  (share of the time spent on steps kept)"),
+            line("worker steps", f"{s['worker_steps']:,}  (applied {s['gradients_applied']:,}, "
+                                 f"dropped {s['gradients_dropped']:,}, lost "
+                                 f"{s['gradients_lost']:,}; applied fraction "
+                                 f"{s['applied_fraction']:.3f})"),
+            line("worker step time", f"mean {step_time['mean']:.4f} s, p50 "
+                                     f"{step_time['p50']:.4f} s, p99 {step_time['p99']:.4f} s"
+                 + self._step_time_note()),
+            line("global step interval", f"p50 {interval['p50']:.4f} s, p99 "
+                                         f"{interval['p99']:.4f} s"),
         ]
         if self.staleness.size:
-            lines.append(f"  staleness          mean {s['staleness']['mean']:.2f}, "
-                         f"p99 {s['staleness']['p99']:.0f}")
+            lines.append(line("staleness", f"mean {s['staleness']['mean']:.2f}, "
+                                           f"p99 {s['staleness']['p99']:.0f}"))
         if self.failures or self.checkpoints:
-            lines.append(f"  failures           {len(self.failures)} "
-                         f"({s['steps_lost']:,} steps lost, {s['downtime']:.1f} s down), "
-                         f"{len(self.checkpoints)} checkpoints")
+            lines.append(line("failures", f"{len(self.failures)} "
+                                          f"({s['rolled_back_steps']:,} global steps rolled "
+                                          f"back, {s['downtime']:.1f} s down), "
+                                          f"{len(self.checkpoints)} checkpoints"))
         if self.restarts:
-            lines.append("  restarts           " + ", ".join(
-                f"{task} {n}" for task, n in sorted(self.restarts.items())))
+            lines.append(line("restarts", ", ".join(
+                f"{task} {n}" for task, n in sorted(self.restarts.items()))))
         if self.ended_by is not None:
-            lines.append(f"  job ended          at {self.ended_by['time']:.3f} s: "
-                         f"{self.ended_by['reason']}")
-        for p in self.ps:
-            lines.append(f"  ps{p['index']}                {p['bytes']:,} bytes, "
-                         f"utilization {p['utilization']:.3f}")
+            lines.append(line("job ended", f"at {self.ended_by['time']:.3f} s: "
+                                           f"{self.ended_by['reason']}"))
+        if self.models_ps:
+            for p in self.ps:
+                lines.append(line(f"ps{p['index']}", f"{p['bytes']:,} bytes, "
+                                                     f"utilization {p['utilization']:.3f}"))
         return "\n".join(lines)
+
+    def _step_time_note(self) -> str:
+        if self.mode != "sync" or not self.gradients_dropped:
+            return ""
+        if self.dropped_step_times.size:
+            return (f"  (incl. {self.dropped_step_times.size:,} steps dropped by backup "
+                    "workers, at their drawn times)")
+        return (f"  (completed steps only: the {self.gradients_dropped:,} steps dropped by "
+                "backup workers queued for ps tasks or CPUs, their times are unknown)")
+
+    @property
+    def models_ps(self) -> bool:
+        """Whether the scenario puts anything on its ps tasks (bytes or service time)."""
+        return any(p["bytes"] or p["utilization"] for p in self.ps)
 
 
 def _finite(value):
@@ -260,6 +316,21 @@ def _finite(value):
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+def metric_names(num_ps: int = 1) -> list[str]:
+    """The numeric keys of `Result.flat_summary()` (what sweeps can plot), for `num_ps`
+    ps tasks."""
+    empty = Result(name="", mode="async", seed=0, num_workers=1, batch_size=1, elapsed=0.0,
+                   finished=False, steps=0, worker_steps=0, gradients_applied=0,
+                   gradients_dropped=0, gradients_lost=0, rolled_back_steps=0, downtime=0.0,
+                   ps=[{"index": i, "bytes": 0, "traffic_bytes": 0, "utilization": 0.0}
+                       for i in range(num_ps)],
+                   failures=[], checkpoints=[], restarts={}, ended_by=None,
+                   step_times=np.zeros(0), staleness=np.zeros(0, dtype=np.int64),
+                   step_ends=np.zeros(0))
+    return [k for k, v in empty.flat_summary().items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "seed"]
 
 
 def rows_to_csv(rows: list[dict], path: str | os.PathLike | None = None) -> str:

@@ -34,9 +34,10 @@ def trace_events(result: Result) -> list[dict]:
         out.append({"ph": "X", "name": f"step ({outcome})", "cat": outcome, "pid": _WORKERS,
                     "tid": worker, "ts": start * us, "dur": (end - start) * us,
                     "args": {"version": version}})
-    for time, actor, kind, steps_lost in result.failures:
+    for time, actor, kind, rolled_back in result.failures:
         out.append({"ph": "i", "s": "p", "name": f"{actor} {kind}", "cat": "failure",
-                    "pid": _JOB, "tid": 0, "ts": time * us, "args": {"steps_lost": steps_lost}})
+                    "pid": _JOB, "tid": 0, "ts": time * us,
+                    "args": {"rolled_back_steps": rolled_back}})
     for time, step in result.checkpoints:
         out.append({"ph": "i", "s": "p", "name": "checkpoint", "cat": "checkpoint",
                     "pid": _JOB, "tid": 0, "ts": time * us, "args": {"step": step}})

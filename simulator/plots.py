@@ -26,11 +26,13 @@ def _axes(ax):
 
 
 def plot_step_times(result: Result, ax=None):
-    """Histogram of worker step durations, with the mean marked."""
+    """Histogram of worker step durations (`Result.worker_step_times`: with the steps
+    backup workers made others drop, where known), with the mean marked."""
     ax = _axes(ax)
-    ax.hist(result.step_times, bins=60, color="tab:blue", alpha=0.8)
-    if result.step_times.size:
-        ax.axvline(result.step_times.mean(), color="k", ls="--", label="mean")
+    times = result.worker_step_times
+    ax.hist(times, bins=60, color="tab:blue", alpha=0.8)
+    if times.size:
+        ax.axvline(times.mean(), color="k", ls="--", label="mean")
         ax.legend()
     ax.set(xlabel="worker step time (s)", ylabel="worker steps", title="Step times")
     return ax
@@ -71,16 +73,23 @@ def plot_ps(result: Result, ax=None):
 
 
 def plot_result(result: Result, fig=None):
-    """A 2x2 summary figure: progress, step times, staleness, ps load."""
+    """A summary figure: progress and step times, then staleness (async runs) and ps load
+    (scenarios that place something on ps tasks), two panels a row."""
+    panels = [plot_progress, plot_step_times]
+    if result.staleness.size:
+        panels.append(plot_staleness)
+    if result.models_ps:
+        panels.append(plot_ps)
+    rows = (len(panels) + 1) // 2
     if fig is None:
         from matplotlib.figure import Figure
 
-        fig = Figure(figsize=(10, 7), layout="constrained")
-    axes = fig.subplots(2, 2)
-    plot_progress(result, axes[0, 0])
-    plot_step_times(result, axes[0, 1])
-    plot_staleness(result, axes[1, 0])
-    plot_ps(result, axes[1, 1])
+        fig = Figure(figsize=(10, 3.5 * rows), layout="constrained")
+    axes = fig.subplots(rows, 2, squeeze=False).ravel()
+    for panel, ax in zip(panels, axes):
+        panel(result, ax)
+    for ax in axes[len(panels):]:
+        fig.delaxes(ax)
     fig.suptitle(f"{result.name}: {result.steps_per_second:.3g} steps/s, "
                  f"goodput {result.goodput:.2f}")
     return fig
@@ -91,7 +100,16 @@ def plot_sweep(points: Sequence, x: str, y: str = "steps_per_second", ax=None,
     """Plots metric `y` (a key of `Result.flat_summary()`) against swept key `x`.
 
     Runs repeated with several seeds are averaged, with their range as error bars.
+
+    Raises:
+        ValueError: if `y` is not a numeric key of the flat summary (naming those that are).
     """
+    if points:
+        names = [k for k, v in points[0].result.flat_summary().items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if y not in names:
+            raise ValueError(f"Invalid value for argument `y`: expected a metric of the flat "
+                             f"summary, one of {names}. Received: y={y!r}")
     ax = _axes(ax)
     groups: dict = {}
     for point in points:

@@ -316,12 +316,21 @@ class Scenario:
         """Validates a scenario given as nested dicts (the TOML structure)."""
         return _parse(copy.deepcopy(dict(data)), source, base_dir)
 
-    def with_overrides(self, overrides: Mapping[str, object]) -> Scenario:
+    def with_overrides(self, overrides: Mapping[str, object], *,
+                       source: str | None = None) -> Scenario:
         """Returns a copy with dotted keys replaced, e.g. `{"training.backup_workers": 2}`.
 
-        The result is validated like a file, so a bad override raises a
-        `ScenarioError` naming its key.
+        The result is validated like a file, so a bad override raises a `ScenarioError`
+        naming its key; since this scenario is valid, the error blames the overrides.
+
+        Args:
+            overrides: dotted keys to their new values.
+            source: what errors name as the overrides' origin (`"--set a.b=1"`); by
+                default "overrides a.b=1 of <file>".
         """
+        if source is None:
+            listed = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+            source = f"overrides {listed}" + (f" of {self.source}" if self.source else "")
         data = copy.deepcopy(dict(self.raw))
         for key, value in overrides.items():
             parts = key.split(".")
@@ -329,10 +338,10 @@ class Scenario:
             for part in parts[:-1]:
                 child = node.setdefault(part, {})
                 if not isinstance(child, dict):
-                    raise invalid_value(key, value, f"`{part}` is not a table", self.source)
+                    raise invalid_value(key, value, f"`{part}` is not a table", source)
                 node = child
             node[parts[-1]] = value
-        return _parse(data, self.source, self.base_dir)
+        return dataclasses.replace(_parse(data, source, self.base_dir), source=self.source)
 
     def to_toml(self) -> str:
         """The scenario as TOML text (from its raw tables)."""

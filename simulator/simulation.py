@@ -180,12 +180,15 @@ class Cluster:
             num_workers=s.workers.count, batch_size=s.workers.batch_size,
             elapsed=elapsed, finished=finished, steps=c.version,
             worker_steps=m.applied + m.dropped + m.lost, gradients_applied=m.applied,
-            gradients_dropped=m.dropped, gradients_lost=m.lost, steps_lost=m.steps_lost,
+            gradients_dropped=m.dropped, gradients_lost=m.lost,
+            rolled_back_steps=m.rolled_back_steps,
             downtime=m.downtime, ps=ps_rows, failures=list(m.failures),
             checkpoints=list(m.checkpoints), restarts=dict(c.restarts.counts),
             ended_by=m.ended_by, step_times=np.asarray(m.step_times),
             staleness=np.asarray(m.staleness, dtype=np.int64),
-            step_ends=np.asarray(m.step_ends), events=m.events)
+            step_ends=np.asarray(m.step_ends),
+            dropped_step_times=np.asarray(m.dropped_step_times, dtype=float),
+            step_work=np.asarray(m.step_work, dtype=float), events=m.events)
 
 
 @contextlib.contextmanager

@@ -24,8 +24,8 @@ class SweepPoint(tuple):
         return self[1]
 
 
-def sweep(scenario: Scenario, vary: Mapping[str, Sequence], *,
-          repeats: int = 1) -> list[SweepPoint]:
+def sweep(scenario: Scenario, vary: Mapping[str, Sequence], *, repeats: int = 1,
+          source: str | None = None) -> list[SweepPoint]:
     """Runs `scenario` for every combination of the values in `vary`.
 
     Args:
@@ -33,6 +33,8 @@ def sweep(scenario: Scenario, vary: Mapping[str, Sequence], *,
         vary: dotted keys to their values, e.g.
             `{"training.backup_workers": [0, 1, 2], "ps.count": [1, 2]}`.
         repeats: runs per combination, with seeds `seed, seed + 1, ...`.
+        source: what errors name as the values' origin (`"--vary"`); by default the
+            overrides and the scenario's file.
 
     Returns:
         One `SweepPoint` per run, in the order of `itertools.product`. Every
@@ -44,7 +46,9 @@ def sweep(scenario: Scenario, vary: Mapping[str, Sequence], *,
     for combo in combos:
         for r in range(repeats):
             overrides = {**combo, "seed": scenario.seed + r} if repeats > 1 else combo
-            plans.append((overrides, scenario.with_overrides(overrides)))
+            label = None if source is None else " ".join(
+                [source] + [f"{k}={v!r}" for k, v in combo.items()])
+            plans.append((overrides, scenario.with_overrides(overrides, source=label)))
     return [SweepPoint((overrides, run(s))) for overrides, s in plans]
 
 

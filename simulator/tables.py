@@ -12,7 +12,7 @@ import enum
 import math
 import numbers
 
-from simulator.errors import invalid_value, unknown_key
+from simulator.errors import close_key, invalid_value, unknown_key
 
 __all__ = ["Table", "MISSING"]
 
@@ -54,11 +54,16 @@ class Table:
         return name in self.data
 
     def raw(self, name: str, default=MISSING):
-        """The unchecked value of `name`; raises if it is required and absent."""
+        """The unchecked value of `name`; raises if it is required and absent (naming the
+        key it was probably misspelt as, if the table has one)."""
         self._used.add(name)
         if name in self.data:
             return self.data[name]
         if default is MISSING:
+            typo = close_key(name, [k for k in self.data if k not in self._used])
+            if typo is not None:
+                raise unknown_key(self.key(typo), self.data[typo], source=self.source,
+                                  guess=name)
             raise invalid_value(self.key(name), None, "this key is required", self.source)
         return default
 

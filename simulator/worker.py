@@ -100,7 +100,8 @@ def worker(env: simpy.Environment, w: Worker, coordinator):
             w.in_flight = True
             metrics.executed += 1
             start = env.now
-            yield env.timeout(next(durations))
+            drawn = next(durations)
+            yield env.timeout(drawn)
             if w.extra is not None:
                 yield from w.extra()
             w.in_flight = False
@@ -119,6 +120,8 @@ def worker(env: simpy.Environment, w: Worker, coordinator):
                 outcome = "dropped" if isinstance(cause, Cancel) else "lost"
                 if outcome == "dropped":
                     metrics.dropped += 1
+                    if w.extra is None:  # its time is the drawn one; else queueing adds to it
+                        metrics.dropped_step_times.append(drawn)
                 else:
                     metrics.lost += 1
                 if events is not None:

@@ -28,7 +28,8 @@ def _tf_config(cluster_dict=None, task_type="chief", index=0):
 @pytest.fixture
 def env(monkeypatch):
     """A clean TF_CONFIG / GRPC_FAIL_FAST environment, restored afterwards."""
-    for name in ("TF_CONFIG", "GRPC_FAIL_FAST"):
+    for name in ("TF_CONFIG", "GRPC_FAIL_FAST", cluster.JOBSET_REPLICAS_ENV, "JOB_COMPLETION_INDEX",
+                 *cluster.JOBSET_ENV):
         monkeypatch.setenv(name, "placeholder")  # recorded, so teardown restores the original
         monkeypatch.delenv(name)
     return monkeypatch
@@ -191,4 +192,76 @@ def test_missing_tf_config_environment_variable_raises_value_error(env, value):
         cluster.from_tf_config()
     message = str(excinfo.value)
     assert "environment variable is not set or empty" in message
+    assert "this is no JobSet pod" in message
     assert f"Received: TF_CONFIG={value!r}" in message
+
+
+# -- a JobSet's pod: no TF_CONFIG, what JobSet gives the pod -------------------------------
+JOBSET_POD = {
+    "KERASPS_JOBSET_NAME": "train",
+    "KERASPS_REPLICATED_JOB": "worker",
+    "KERASPS_JOB_INDEX": "1",
+    "KERASPS_REPLICATED_JOB_REPLICAS": "2",
+    "KERASPS_JOBSET_REPLICAS": '{"ps": 1, "worker": 2, "chief": 1, "evaluator": 1}',
+    "JOB_COMPLETION_INDEX": "0",
+}
+
+
+def test_a_jobset_pod_resolves_its_task_from_the_jobset_names(env, no_new_servers):
+    for name, value in JOBSET_POD.items():
+        env.setenv(name, value)
+    assert cluster.task_type() == "worker"
+    resolver = cluster.from_tf_config()
+    assert (resolver.task_type, resolver.task_id) == ("worker", 1)
+    assert resolver.cluster_spec().as_dict() == {
+        "chief": ["train-chief-0-0.train:2222"],
+        "worker": ["train-worker-0-0.train:2222", "train-worker-1-0.train:2222"],
+        "ps": ["train-ps-0-0.train:2222"],
+    }
+
+
+def test_tf_config_wins_over_the_jobset_names(env, no_new_servers):
+    for name, value in JOBSET_POD.items():
+        env.setenv(name, value)
+    env.setenv("TF_CONFIG", _tf_config(task_type="ps", index=1))
+    resolver = cluster.from_tf_config()
+    assert (resolver.task_type, resolver.task_id) == ("ps", 1)
+
+
+def test_outside_a_jobset_there_is_no_jobset_tf_config():
+    assert cluster.tf_config_from_jobset({}) is None
+    assert cluster.tf_config_from_jobset({"TF_CONFIG": _tf_config()}) is None
+
+
+BAD_JOBSET_PODS = {
+    "no_replicated_job": ({"KERASPS_REPLICATED_JOB": None},
+                          ["`KERASPS_REPLICATED_JOB`", "Received: KERASPS_REPLICATED_JOB=None"]),
+    "index_not_a_number": ({"KERASPS_JOB_INDEX": "one"},
+                           ["`KERASPS_JOB_INDEX`", "expected an integer", "='one'"]),
+    "no_replicas": ({"KERASPS_JOBSET_REPLICAS": None}, ["`KERASPS_JOBSET_REPLICAS`"]),
+    "replicas_not_json": ({"KERASPS_JOBSET_REPLICAS": "worker=2"},
+                          ["`KERASPS_JOBSET_REPLICAS`", "JSON object", "='worker=2'"]),
+    "negative_replicas": ({"KERASPS_JOBSET_REPLICAS": '{"worker": -1}'},
+                          ["`KERASPS_JOBSET_REPLICAS`"]),
+    "unknown_replicated_job": ({"KERASPS_REPLICATED_JOB": "data"},
+                               ["not among", "Received: KERASPS_REPLICATED_JOB='data'"]),
+    "replicas_edited_on_one_side": ({"KERASPS_REPLICATED_JOB_REPLICAS": "3"},
+                                    ["runs 3 `worker` job(s) but it declares 2",
+                                     "change both together"]),
+    "several_pods_per_job": ({"JOB_COMPLETION_INDEX": "1"},
+                             ["`JOB_COMPLETION_INDEX`", "one pod", "Received"]),
+    "index_out_of_range": ({"KERASPS_JOB_INDEX": "2"},
+                           ["`TF_CONFIG` field `task.index`", "out of range"]),
+}
+
+
+@pytest.mark.parametrize("change, fragments", list(BAD_JOBSET_PODS.values()),
+                         ids=list(BAD_JOBSET_PODS))
+def test_a_bad_jobset_pod_environment_raises_naming_the_variable(env, change, fragments):
+    environ = {k: v for k, v in {**JOBSET_POD, **change}.items() if v is not None}
+    with pytest.raises(ValueError) as excinfo:
+        cluster.parse_tf_config(cluster.tf_config_from_jobset(environ))
+    message = str(excinfo.value)
+    assert message.startswith("Invalid value for `")
+    for fragment in fragments:
+        assert fragment in message

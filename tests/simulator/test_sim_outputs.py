@@ -84,7 +84,8 @@ def test_json_output_has_the_headline_metrics(result, tmp_path):
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["steps"] == 400
     assert data["steps_per_second"] == pytest.approx(result.steps_per_second)
-    for key in ("examples_per_second", "goodput", "gradients_dropped", "steps_lost",
+    for key in ("examples_per_second", "goodput", "applied_fraction", "gradients_dropped",
+                "rolled_back_steps", "global_step_interval",
                 "worker_step_time", "staleness", "ps", "failures", "checkpoints"):
         assert key in data
     assert data["staleness"]["mean"] == pytest.approx(result.mean_staleness)

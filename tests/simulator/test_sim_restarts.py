@@ -77,7 +77,7 @@ def test_a_ps_task_within_its_budget_restarts_and_the_job_rolls_back():
         {"time": 13.5, "target": "ps", "downtime": 1.0}]}, checkpoint={"every": 10}))
     assert result.finished
     assert result.restarts == {"ps:0": 1}
-    assert result.steps_lost == 3
+    assert result.rolled_back_steps == 3
     assert result.elapsed == pytest.approx(13.5 + 1.0 + 10)
 
 
