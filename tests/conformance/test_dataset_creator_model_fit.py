@@ -377,7 +377,6 @@ def test_predict_returns_every_output_in_input_order(strategy, variant):
     assert_outputs_in_input_order(model, predictions)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 defect 2")
 def test_predict_of_a_dataset_creator_returns_every_output_in_input_order(strategy):
     """testModelPredictWithDatasetCreator: a `dataset_fn` that ignores its context."""
     model = compile_model(strategy)

@@ -23,9 +23,8 @@ Skipped, with why:
   this machine; run under no strategy, `OneDeviceStrategy` and a one-device
   `MirroredStrategy`.
 
-Known defect: loading a saved model that was never trained under a scope that shards it
-fails (issue 17 defect 1), so the cases loading into 2 or 3 shards are expected failures
-until it is fixed.
+Loading a saved model that was never trained under a scope that shards it is issue 17's
+defect 1: the cases loading into 2 or 3 shards are its regression tests here.
 """
 
 import contextlib
@@ -37,8 +36,6 @@ import tensorflow as tf
 
 import kerasps
 from tests.conformance.support import fail_without_traceback
-
-DEFECT_1 = pytest.mark.xfail(strict=True, reason="issue 17 defect 1")
 
 
 def ids(variables):
@@ -133,9 +130,7 @@ def whole(variables):
 
 @pytest.mark.parametrize("kind", ["dense", "embedding"])
 @pytest.mark.parametrize("saved_shards, loaded_shards", [
-    pytest.param(2, 2, marks=DEFECT_1), pytest.param(2, 3, marks=DEFECT_1),
-    pytest.param(3, 2, marks=DEFECT_1), (2, 1), (1, 1), pytest.param(1, 2, marks=DEFECT_1),
-    pytest.param(1, 3, marks=DEFECT_1)])
+    (2, 2), (2, 3), (3, 2), (2, 1), (1, 1), (1, 2), (1, 3)])
 def test_a_saved_model_loads_into_any_number_of_shards(shards, tmp_path, kind, saved_shards,
                                                         loaded_shards):
     """test_saved_model_combined: a model saved with one number of shards per variable
@@ -265,7 +260,6 @@ def test_a_min_size_partitioner_splits_only_the_large_variables(make_strategy, t
     assert [tuple(v.shape) for v in model.variables] == [(3, 6), (3, 6), (6,)]
 
 
-@DEFECT_1
 def test_a_saved_model_loads_under_another_min_size_partitioner(make_strategy, tmp_path):
     """test_saved_model_min_size_partitioner, loading: into a kernel of 3 shards."""
     with make_strategy(variable_partitioner=min_size((6 * 6 * 4) // 2, 2)).scope():
