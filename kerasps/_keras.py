@@ -34,6 +34,8 @@ Seams:
     shard's ps task instead of concatenating the whole table.
   * `TensorFlowTrainer.fit/evaluate/predict` (and the `*_on_batch` methods):
     models built under a kerasps strategy run through `kerasps.trainer`.
+  * `Variable._value`: a Keras variable whose TensorFlow variable was deleted
+    when the process connected to its cluster raises an error saying so.
 """
 
 from __future__ import annotations
@@ -81,6 +83,49 @@ __all__ = [
     "in_stateless_scope",
     "install",
 ]
+
+class _DeletedValue:
+    """Stands for the `tf.Variable` of a Keras variable that TensorFlow deleted when
+    this process connected to a cluster: every use raises `RuntimeError(message)`."""
+
+    def __init__(self, message: str):
+        object.__setattr__(self, "_message", message)
+
+    def __getattr__(self, name):
+        raise RuntimeError(object.__getattribute__(self, "_message"))
+
+    def __repr__(self):
+        return f"<deleted variable: {object.__getattribute__(self, '_message')}>"
+
+
+def disown_variables_of_old_context(job: str = "localhost") -> list[str]:
+    """Marks the Keras variables whose TensorFlow variable lived on `job` (this
+    process before it connected to a cluster) as deleted; returns their paths.
+
+    Connecting resets TensorFlow's eager context, which deletes every variable
+    made before; using one afterwards raised TensorFlow's `Client for target
+    /job:localhost/replica:0/task:0 not found`. Called once, on the first
+    connection of the process (the only one that changes the local job).
+    """
+    import gc
+
+    paths = []
+    for variable in gc.get_objects():
+        if not isinstance(variable, KerasTFVariable):
+            continue
+        value = variable.__dict__.get("_value")
+        if not isinstance(value, tf.Variable) or f"/job:{job}/" not in value.device:
+            continue
+        paths.append(variable.path)
+        variable._value = _DeletedValue(
+            f"Keras variable '{variable.path}' was created before "
+            "`kerasps.ParameterServerStrategy` connected this process to its cluster; "
+            "connecting resets TensorFlow's eager context, which deleted it (TensorFlow's "
+            "own ParameterServerStrategy does the same). Create the strategy first, then "
+            "the models and variables (under `strategy.scope()` to place them on the ps "
+            "tasks, outside it to keep them in this process).")
+    return paths
+
 
 def metrics_result_or_logs(model, logs):
     """Epoch logs: the model's metric results, or `logs` for custom step outputs."""

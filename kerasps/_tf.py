@@ -415,6 +415,11 @@ def ps_task_alive(ps_task: int) -> bool:
     return task_alive("ps", ps_task)
 
 
+def connected() -> bool:
+    """True once this process's eager context has connected to a cluster."""
+    return context.get_server_def() is not None
+
+
 def reconnect_cluster(tf_coordinator):
     """Re-establishes the coordinator's eager context with every task.
 

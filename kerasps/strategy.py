@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import tensorflow as tf
 
@@ -58,6 +59,14 @@ def _validate_resolver(cluster_resolver):
                 f"Invalid value for argument `cluster_resolver`: the cluster needs "
                 f"at least one `{job}` task. Received: cluster_spec={jobs!r}"
             )
+
+
+def _warn_of_deleted_variables(paths):
+    if paths:
+        warnings.warn(
+            f"{len(paths)} Keras variable(s) created before this strategy connected to the "
+            f"cluster were deleted by the connection and can no longer be used (first: "
+            f"{paths[0]!r}). Create the strategy before models and variables.", stacklevel=3)
 
 
 class _Extended(_tf.ParameterServerStrategyV2Extended):
@@ -235,7 +244,10 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         num_ps = len(cluster_resolver.cluster_spec().as_dict()["ps"])
         placement_lib.get_placer(placement, num_ps)  # validate before connecting
         _keras.install()
+        first_connection = not _tf.connected()
         super().__init__(cluster_resolver, variable_partitioner=None)
+        if first_connection:
+            _warn_of_deleted_variables(_keras.disown_variables_of_old_context())
         self._extended.__class__ = _Extended
         self._extended._init_kerasps(variable_partitioner, placement)
         self._placement = placement

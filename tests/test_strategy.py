@@ -1,5 +1,7 @@
 """The strategy: variables on ps tasks, placement policies, the placement report."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -172,3 +174,48 @@ def test_min_workers_defaults_to_the_launchers_setting(make_strategy, monkeypatc
     assert make_strategy().pool.min_workers == 2
     monkeypatch.delenv("KERASPS_MIN_WORKERS")
     assert make_strategy().pool == kerasps.membership.PoolSpec(max_workers=2)
+
+
+VARIABLES_BEFORE_THE_STRATEGY = """
+import warnings
+import keras, numpy as np, tensorflow as tf, kerasps
+
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+model.compile("adam", "mse")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    strategy = kerasps.ParameterServerStrategy(kerasps.cluster.in_process(num_workers=1, num_ps=1))
+print("WARNING", *[str(w.message) for w in caught if "created before" in str(w.message)])
+for use in (model.get_weights, lambda: model.weights[0] + 1,
+            lambda: model.predict(np.zeros((2, 3)), verbose=0)):
+    try:
+        use()
+        print("USABLE")
+    except RuntimeError as error:
+        print("ERROR", str(error).replace("\\n", " "))
+with strategy.scope():
+    fresh = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+print("FRESH", fresh.get_weights()[0].shape)
+"""
+
+
+def test_a_keras_variable_made_before_the_strategy_connects_raises_a_clear_error():
+    """Issue 17, defect 5: connecting to the cluster resets TensorFlow's eager context
+    (TensorFlow's own strategy does the same), so variables made before it are gone; using
+    one raised `InvalidArgumentError: Client for target /job:localhost/... not found`."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", VARIABLES_BEFORE_THE_STRATEGY],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    lines = [line for line in result.stdout.splitlines()
+             if line.startswith(("WARNING", "ERROR", "USABLE", "FRESH"))]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert lines[0].startswith("WARNING") and "sequential/dense/kernel" in lines[0], lines
+    errors = [line for line in lines if line.startswith("ERROR")]
+    assert len(errors) == 3, lines
+    for line in errors:
+        assert "'sequential/dense/" in line and "created before" in line, line
+        assert "Create the strategy first" in line, line
+    assert lines[-1] == "FRESH (3, 2)"
