@@ -1,4 +1,4 @@
-"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s notebooks`, `nox -s slow`,
+"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s notebooks`, `nox -s slow`, `nox -s stress`,
 `nox -s benchmarks`, `nox -s demo`. Each runs in a fresh virtual environment."""
 
 import nox
@@ -35,6 +35,13 @@ def slow(session):
     """Only the tests marked `slow` (also part of the default run and of CI)."""
     session.install(".[test]")
     session.run("python", "-m", "pytest", "-m", "slow", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def stress(session):
+    """Only the tests marked `stress` (not in the default run; CI runs them after it)."""
+    session.install(".[test]")
+    session.run("python", "-m", "pytest", "-m", "stress", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -401,6 +401,39 @@ def no_colocation():
     return tf_ops.colocate_with(None, ignore_existing=True)
 
 
+# -- the cluster, as the eager context sees it ---------------------------------------------
+# Held around every call that reads or replaces the eager context's view of the cluster.
+_CLUSTER_CALLS = threading.RLock()
+_cluster_calls_serialised = False
+
+
+def serialise_cluster_calls():
+    """Makes `check_alive`, `update_server_def` and `set_server_def` of TensorFlow's
+    eager context run one at a time, whichever thread calls them (idempotent).
+
+    `check_alive` reads the server's worker cache, which `update_server_def`
+    replaces and frees: run at once from two threads, the first reads freed
+    memory and the process dies with SIGSEGV (`tests/test_threads.py` makes it
+    happen in 6 runs out of 6). kerasps polls liveness from the pool watcher's
+    thread while TensorFlow's failure handler (a worker back) or kerasps'
+    recovery (a ps task back) update the context from theirs.
+    """
+    global _cluster_calls_serialised
+    if _cluster_calls_serialised:
+        return
+    _cluster_calls_serialised = True
+    for name in ("check_alive", "update_server_def", "set_server_def"):
+        original = getattr(context.Context, name)
+
+        def serialised(self, *args, _original=original, **kwargs):
+            with _CLUSTER_CALLS:
+                return _original(self, *args, **kwargs)
+
+        serialised.__name__ = name
+        serialised.__doc__ = original.__doc__
+        setattr(context.Context, name, serialised)
+
+
 # -- a restarted ps task ---------------------------------------------------------------
 def task_alive(job: str, task: int) -> bool:
     """True if task `task` of `job` answers (a restarted one included)."""
