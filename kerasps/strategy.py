@@ -120,7 +120,9 @@ class _Extended(_tf.ParameterServerStrategyV2Extended):
             shape = tuple(tf.convert_to_tensor(kwargs["initial_value"]).shape)
         dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
         nbytes = variables_lib.nbytes(shape, dtype.name)
-        ps_task = self._placer.choose(name, shape, dtype.name, nbytes)
+        ps_task = variables_lib.pinned_ps_task()
+        if ps_task is None:
+            ps_task = self._placer.choose(name, shape, dtype.name, nbytes)
         with _tf.no_colocation():
             with tf.device(f"/job:ps/task:{ps_task}/device:CPU:0"):
                 var = next_creator(**kwargs)
