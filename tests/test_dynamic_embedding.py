@@ -491,3 +491,76 @@ def test_get_and_set_weights_move_between_layouts(strategy):
     back.set_weights(single.get_weights())
     assert rows_of(back) == rows_of(layer)
     assert back.rows.num_shards == 2
+
+
+# -- a ps task killed mid-fit (real processes) ----------------------------------------
+TABLE_RECOVERY_CHIEF = """
+    import itertools, sys
+    import keras, numpy as np, tensorflow as tf, kerasps
+    from kerasps import tables
+
+    def say(*words):
+        print(*words, flush=True)
+
+    strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config(),
+                                               sparse_updates="lazy")
+    with strategy.scope():
+        inputs = keras.Input((1,), dtype="int64")
+        layer = kerasps.layers.DynamicEmbedding(8, capacity=256, num_partitions=4,
+                                                name="items")
+        x = keras.layers.Flatten()(layer(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(x))
+        model.compile(keras.optimizers.Adam(0.05), "binary_crossentropy")
+
+    def dataset_fn(context):
+        ids = tf.random.stateless_uniform((4096, 1), [1, context.input_pipeline_id], 0, 600,
+                                          tf.int64)
+        return tf.data.Dataset.from_tensor_slices((ids, tf.cast(ids % 2, tf.float32))).repeat(
+            ).batch(16)
+
+    trained = itertools.count(1)
+    progress = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: say("train batch", next(trained)))
+    backup = keras.callbacks.BackupAndRestore(sys.argv[1], save_freq=10)
+    history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=4, steps_per_epoch=50,
+                        verbose=0, callbacks=[progress, backup])
+    say("iterations", int(model.optimizer.iterations.numpy()))
+    say("reexecuted", sum(history.history["reexecuted_steps"]))
+    say("rolled back", sum(history.history["rolled_back_steps"]))
+    state = layer.state.numpy()
+    used = np.flatnonzero(state[:, tables.LAST_SEEN] >= 0)
+    keys = state[used, tables.KEY]
+    sizes = [int(m.size().numpy()) for m in layer._table.maps()]
+    vectors = layer(tf.constant(keys, tf.int64)).numpy()
+    stats = layer.table_stats()
+    say("rows", len(used), "maps", sum(sizes), "distinct", len(set(keys.tolist())))
+    say("served", bool(np.array_equal(vectors, layer.rows.numpy()[used])))
+    say("balance", stats["admitted"] - stats["evicted"] == len(used))
+    say("hit rate", history.history["items_hit_rate"][-1])
+"""
+
+
+@pytest.mark.slow
+def test_a_ps_killed_mid_fit_gets_its_table_back_from_the_backup(tmp_path):
+    from tests.launched import launch
+
+    job = launch(tmp_path, TABLE_RECOVERY_CHIEF, "--workers", "2", "--ps", "2",
+                 "--max-restarts", "2", args=[str(tmp_path / "backup")])
+    try:
+        job.wait_for(r"\[chief 0\] train batch 75$")
+        job.kill("ps 1")
+        job.wait_for(r"\[launcher\] ps 1 exited with signal 9 \(SIGKILL\); restart 1 of 2")
+        iterations = int(job.wait_for(r"\[chief 0\] iterations (\d+)").group(1))
+        reexecuted = int(job.wait_for(r"\[chief 0\] reexecuted (\d+)").group(1))
+        rolled_back = int(job.wait_for(r"\[chief 0\] rolled back (\d+)").group(1))
+        rows = job.wait_for(r"\[chief 0\] rows (\d+) maps (\d+) distinct (\d+)")
+        assert rows.group(1) == rows.group(2) == rows.group(3) == "256"
+        job.wait_for(r"\[chief 0\] served True")
+        job.wait_for(r"\[chief 0\] balance True")
+        hit_rate = float(job.wait_for(r"\[chief 0\] hit rate (\S+)").group(1))
+        assert job.finish() == 0, job.output()
+        assert iterations == 200 + reexecuted and 0 < rolled_back <= 10
+        assert 0.3 < hit_rate < 0.6  # 256 of 600 ids: the table kept working
+        job.wait_for(r"lost their variables at epoch 2 ")
+    finally:
+        job.close()
