@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 import tensorflow as tf
 
@@ -68,6 +69,7 @@ class _Extended(_tf.ParameterServerStrategyV2Extended):
         self._placer = placement_lib.get_placer(placement, self._num_ps)
         self._records = []
         self._records_lock = threading.Lock()
+        self._tables = weakref.WeakSet()  # dynamic tables (`kerasps.layers`) made here
 
     @property
     def variable_partitioner(self):
@@ -322,10 +324,15 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
             A `kerasps.placement.PlacementReport`: a tuple of `ShardRecord`s
             (fields `name`, `variable`, `shard`, `shape`, `dtype`, `bytes`,
             `ps_task`) that prints as a table with the bytes per ps task and
-            their `imbalance` (max/mean bytes per ps task, 1.0 when even).
+            their `imbalance` (max/mean bytes per ps task, 1.0 when even), and,
+            as `tables`, each dynamic table's rows used, admitted, evicted and
+            hit rate per ps task (`kerasps.tables.TableRecord`s, read now).
         """
+        tables = [record for table in sorted(self._extended._tables, key=lambda t: t.name)
+                  for record in table.records()]
         with self._extended._records_lock:
-            return placement_lib.PlacementReport(self._extended._records, num_ps=self.num_ps)
+            return placement_lib.PlacementReport(self._extended._records, num_ps=self.num_ps,
+                                                 tables=tables)
 
     def coordinator(self):
         """Returns the strategy's `kerasps.ClusterCoordinator` (created once)."""

@@ -48,6 +48,7 @@ from kerasps._validation import positive_int
 
 __all__ = [
     "Eviction",
+    "TableRecord",
     "TableSpec",
     "mix64",
     "partition_of",
@@ -244,3 +245,46 @@ class TableSpec:
         }
         parts["total"] = sum(parts.values())
         return parts
+
+
+@dataclasses.dataclass(frozen=True)
+class TableRecord:
+    """A dynamic table's part on one ps task, with its totals so far.
+
+    Attributes:
+        name: the table (its layer's name).
+        ps_task: the ps task (`None` without a strategy).
+        capacity: rows on that task.
+        rows_used: rows holding an id.
+        lookups: ids looked up by training steps (each occurrence).
+        hits: of which found a row.
+        admitted: rows given to new ids.
+        evicted: rows freed (eviction, `steps_to_live`).
+    """
+
+    name: str
+    ps_task: int | None
+    capacity: int
+    rows_used: int
+    lookups: int
+    hits: int
+    admitted: int
+    evicted: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+def table_lines(records) -> list[str]:
+    """`TableRecord`s as the lines of a table (for `PlacementReport`)."""
+    header = ("table", "ps_task", "capacity", "rows_used", "admitted", "evicted", "hit_rate")
+    rows = [header] + [(r.name, str(r.ps_task), f"{r.capacity:,}", f"{r.rows_used:,}",
+                        f"{r.admitted:,}", f"{r.evicted:,}", f"{r.hit_rate:.3f}")
+                       for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                       for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines

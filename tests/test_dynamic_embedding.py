@@ -315,6 +315,12 @@ def test_rows_spread_over_the_ps_tasks_by_key_hash(lazy_strategy):
     expected = layer.spec.ps_task_of(keys, 2)
     for key, task in zip(keys, expected):
         assert (rows[key][0] >= 32) == bool(task)  # shard 1 holds rows 32..63
+    records = [r for r in lazy_strategy.placement_report().tables if r.name == "spread"]
+    assert [(r.ps_task, r.capacity, r.rows_used, r.admitted) for r in records] == [
+        (task, 32, int((expected == task).sum()), int((expected == task).sum()))
+        for task in (0, 1)]
+    text = str(lazy_strategy.placement_report())
+    assert "dynamic tables:" in text and "hit_rate" in text
     del model
 
 

@@ -246,14 +246,11 @@ class DynamicEmbedding(keras.layers.Layer):
     def table_stats(self) -> dict:
         """The table's totals so far (they survive checkpoints): rows used, ids looked up
         in training, hits, rows admitted and freed, hit rate."""
-        stats = self._table.stats_per_partition().sum(axis=0)
-        state = self.state.numpy()
-        looked = int(stats[tables.LOOKUPS])
-        return {"capacity": self.capacity,
-                "rows_used": int((state[:, tables.LAST_SEEN] >= 0).sum()),
-                "lookups": looked, "hits": int(stats[tables.HITS]),
-                "admitted": int(stats[tables.ADMITTED]), "evicted": int(stats[tables.EVICTED]),
-                "hit_rate": float(stats[tables.HITS]) / looked if looked else 0.0}
+        records = self._table.records()
+        totals = {field: sum(getattr(r, field) for r in records) for field in (
+            "capacity", "rows_used", "lookups", "hits", "admitted", "evicted")}
+        totals["hit_rate"] = totals["hits"] / totals["lookups"] if totals["lookups"] else 0.0
+        return totals
 
     def get_config(self):
         config = super().get_config()

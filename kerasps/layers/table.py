@@ -404,6 +404,7 @@ class DynamicTable:
     """
 
     def __init__(self, layer, spec, initializer, seed):
+        self.name = layer.name
         self.spec = spec
         self.initializer = initializer
         self.seed = int(seed)
@@ -442,6 +443,8 @@ class DynamicTable:
             self.sketch = self._make(layer, "sketch", (1, depth, width), "int32", "zeros")
         for shard in self.shards:
             shard.variables["rows"]._kerasps_on_slot = shard.on_slot
+        if strategy is not None:
+            strategy.extended._tables.add(self)
 
     def _make(self, layer, name, per_partition, dtype, initializer, trainable=False,
               cls=variables_lib.ShardedVariable):
@@ -557,6 +560,18 @@ class DynamicTable:
 
     def stats_per_partition(self) -> np.ndarray:
         return self.stats.numpy()
+
+    def records(self) -> list:
+        """A `kerasps.tables.TableRecord` per shard, read now."""
+        records = []
+        for shard in self.shards:
+            stats = shard.variables["stats"].numpy().sum(axis=0)
+            records.append(tables.TableRecord(
+                name=self.name, ps_task=shard.ps_task, capacity=shard.size,
+                rows_used=shard.size - int(shard.free_count.numpy().sum()),
+                lookups=int(stats[LOOKUPS]), hits=int(stats[HITS]),
+                admitted=int(stats[ADMITTED]), evicted=int(stats[EVICTED])))
+        return records
 
 
 def _free_state(shape, dtype=None):
