@@ -26,10 +26,14 @@ Policies:
   least recently seen ids (the default: a growing stream's new ids replace
   the ones no longer seen), `"lfu"` those of the least frequently seen ids
   (ties: least recent; for stationary distributions, where recency is noise).
-  Rows are freed `eviction_chunk` at a time (the oldest of the partition), so
-  the scan of a partition is paid once per chunk of new ids. With
-  `steps_to_live`, an id unseen for that many steps has no row any more: its
-  next lookup misses, and its row is the first one reused.
+  As Redis' approximated LRU, the policy ranks `EVICTION_SAMPLES` (16) rows of
+  the partition sampled per row needed, so a new id costs the same whatever
+  the table's size: the row freed is the oldest of 16, older than 96% of the
+  partition's rows half of the time (older than a share q of them with
+  probability 1 - q**16); a partition of at most 16 rows per row needed is
+  ranked whole (exact). With `steps_to_live`, an id unseen for that many
+  steps has no row any more: its next lookup misses, and its row goes first
+  among those sampled.
 * Rows looked up in the last `protected_steps` steps are never freed: a
   gradient still in flight for an id never lands on a row reused for another.
 """
@@ -64,15 +68,20 @@ _C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 # Seeds of the sketch's hash functions (one per row of the sketch).
 SKETCH_SEEDS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5)
 
+# Rows of a partition the eviction policy ranks per row it frees (see above).
+EVICTION_SAMPLES = 16
+
 # Columns of a table's `state` ([capacity, 3] int64): the key of each row, the
 # step it was last looked up at (-1: the row is free) and how often.
 STATE_COLUMNS = ("key", "last_seen", "count")
 KEY, LAST_SEEN, COUNT = range(3)
-# Columns of a table's `stats` ([num_partitions, 6] int64), per partition: its
-# clock (training lookups so far), ids looked up, of which found, rows
-# admitted, rows freed, and additions to the sketch since it was last halved.
-STAT_COLUMNS = ("clock", "lookups", "hits", "admitted", "evicted", "sketch_additions")
-CLOCK, LOOKUPS, HITS, ADMITTED, EVICTED, SKETCH_ADDITIONS = range(6)
+# Columns of a table's `stats` ([num_partitions, 8] int64), per partition: its
+# clock (training lookups so far), ids looked up in training, of which found,
+# rows admitted, rows freed, additions to the sketch since it was last halved,
+# and ids looked up outside training (evaluation, serving), of which found.
+STAT_COLUMNS = ("clock", "lookups", "hits", "admitted", "evicted", "sketch_additions",
+                "reads", "read_hits")
+CLOCK, LOOKUPS, HITS, ADMITTED, EVICTED, SKETCH_ADDITIONS, READS, READ_HITS = range(8)
 
 
 def mix64(keys) -> np.ndarray:
@@ -212,12 +221,6 @@ class TableSpec:
         as the sketch is wide, so that an id must come back within about that many
         occurrences of not-yet-admitted ids to be admitted."""
         return self.sketch_shape[1]
-
-    # -- eviction -------------------------------------------------------------------
-    @property
-    def eviction_chunk(self) -> int:
-        """Rows a full partition frees at once (1/64 of it, at least 1)."""
-        return max(1, self.rows_per_partition // 64)
 
     # -- memory ---------------------------------------------------------------------
     def memory_bytes(self, slots_per_row: int = 0, float_bytes: int = 4) -> dict:

@@ -229,13 +229,15 @@ def test_lfu_evicts_the_least_frequently_seen():
     assert len(rows) == 4 and {1, 2, 9} <= set(rows)  # 3 or 4 went
 
 
-def test_eviction_frees_a_chunk_of_the_oldest_rows():
-    layer = DynamicEmbedding(2, capacity=256, num_partitions=1)
-    assert layer.spec.eviction_chunk == 4
-    train(layer, [np.arange(256)])
-    train(layer, [[1000]])
-    assert len(rows_of(layer)) == 253 and 1000 in rows_of(layer)  # 4 freed, 1 reused
-    assert layer.table_stats()["evicted"] == 4
+def test_eviction_frees_old_rows_of_a_large_partition_by_sampling():
+    layer = DynamicEmbedding(2, capacity=4096, num_partitions=1)
+    train(layer, [np.arange(i, i + 512) for i in range(0, 4096, 512)])  # 8 ages
+    train(layer, [np.arange(10_000, 10_032)])  # 32 rows to free: 512 sampled of 4096
+    rows = rows_of(layer)
+    assert len(rows) == 4096 and set(range(10_000, 10_032)) <= set(rows)
+    freed = set(range(4096)) - set(rows)
+    assert len(freed) == 32 and max(freed) < 1024  # among the 2 oldest eighths
+    assert layer.table_stats()["evicted"] == 32
 
 
 def test_a_batch_never_evicts_its_own_ids():
@@ -486,7 +488,7 @@ def test_export_serves_without_kerasps_and_unknown_ids_read_zeros(tmp_path, stra
 def test_get_and_set_weights_move_between_layouts(strategy):
     model, layer = trained_on_two_ps(strategy)
     weights = layer.get_weights()
-    assert [w.shape for w in weights] == [(32, 3), (32, 3), (2, 6), (2, 4, 64)]
+    assert [w.shape for w in weights] == [(32, 3), (32, 3), (2, 8), (2, 4, 64)]
     single = DynamicEmbedding(3, capacity=32, num_partitions=2, min_count=2)
     single.build()
     single.set_weights(weights)

@@ -17,25 +17,33 @@ _INITIALIZERS = ("RandomUniform", "RandomNormal", "TruncatedNormal", "Zeros", "O
 
 
 class TableMetrics(keras.metrics.Metric):
-    """A dynamic table's counts since the metrics were last reset (each epoch), in the
-    logs as `<layer>_rows_used`, `<layer>_admitted`, `<layer>_evicted` and
-    `<layer>_hit_rate` (ids looked up that had a row)."""
+    """A dynamic table's activity since the metrics were last reset (each epoch, and
+    at the start of `evaluate`), in the logs as `<layer>_rows_used` (now),
+    `<layer>_admitted`, `<layer>_evicted` (rows) and `<layer>_hit_rate` (ids looked
+    up that had a row).
 
-    def __init__(self, prefix, **kwargs):
+    The table counts on its ps tasks as it looks ids up; this metric only keeps
+    the totals at its last reset, so a step pays nothing for it.
+    """
+
+    def __init__(self, table, prefix, **kwargs):
         super().__init__(name=f"{prefix}_table", **kwargs)
         self.prefix = prefix
-        self.counts = self.add_variable(shape=(len(table_lib.SUMMARY) - 1,), dtype="int64",
-                                        initializer="zeros", name="counts")
-        self.rows_used = self.add_variable(shape=(), dtype="int64", initializer="zeros",
-                                           name="rows_used")
+        self._table = table
+        self.start = self.add_variable(shape=(4,), dtype="int64", initializer="zeros",
+                                       name="start")
 
-    def update_state(self, summary):
-        self.counts.assign_add(summary[:-1])
-        self.rows_used.assign(summary[-1])
+    def update_state(self, *args, **kwargs):
+        pass
+
+    def reset_state(self):
+        self.start.assign(self._table.totals()[:4])
 
     def result(self):
-        lookups, hits, admitted, evicted = tf.unstack(keras.ops.convert_to_tensor(self.counts))
-        return {f"{self.prefix}_rows_used": keras.ops.convert_to_tensor(self.rows_used),
+        totals = self._table.totals()
+        lookups, hits, admitted, evicted = tf.unstack(
+            totals[:4] - keras.ops.convert_to_tensor(self.start))
+        return {f"{self.prefix}_rows_used": totals[4],
                 f"{self.prefix}_admitted": admitted,
                 f"{self.prefix}_evicted": evicted,
                 f"{self.prefix}_hit_rate": tf.math.divide_no_nan(
@@ -144,7 +152,8 @@ class DynamicEmbedding(keras.layers.Layer):
         self.rows, self.state, self.stats = table.rows, table.state, table.stats
         if table.sketch is not None:
             self.sketch = table.sketch
-        self.table_metrics = TableMetrics(self.name)
+        self.table_metrics = TableMetrics(table, self.name)
+        self.table_metrics.reset_state()
         self.built = True
 
     def _check_shape(self, shape, ragged=False):
@@ -182,8 +191,7 @@ class DynamicEmbedding(keras.layers.Layer):
             self._check_shape(ids.shape)
         values = ids.flat_values if ragged else ids
         keys = self._keys(values)
-        vectors, summary = self._table.lookup(tf.reshape(keys, [-1]), bool(training))
-        self.table_metrics.update_state(summary)
+        vectors = self._table.lookup(tf.reshape(keys, [-1]), bool(training))
         if ragged:
             vectors = ids.with_flat_values(vectors)
             total = tf.reduce_sum(vectors, axis=-2)
@@ -239,8 +247,8 @@ class DynamicEmbedding(keras.layers.Layer):
         children = super()._trackable_children(save_type, **kwargs)
         if save_type == "savedmodel" and self._table is not None:
             # A SavedModel serves lookups from the maps; checkpoints rebuild them.
-            for i, table_map in enumerate(self._table.maps()):
-                children[f"kerasps_map_{i}"] = table_map
+            for i, shard in enumerate(self._table.shards):
+                children[f"kerasps_map_{i}"] = shard.map
         return children
 
     def table_stats(self) -> dict:

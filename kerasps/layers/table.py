@@ -41,11 +41,19 @@ import tensorflow as tf
 
 from kerasps import _keras, _tf, tables
 from kerasps import variables as variables_lib
-from kerasps.tables import (ADMITTED, CLOCK, COUNT, EVICTED, HITS, KEY, LAST_SEEN, LOOKUPS,
-                            SKETCH_ADDITIONS)
-
-# What `find` reports per lookup: ids looked up, found, admitted, rows freed, rows used.
-SUMMARY = ("lookups", "hits", "admitted", "evicted", "rows_used")
+from kerasps.tables import (
+    ADMITTED,
+    CLOCK,
+    COUNT,
+    EVICTED,
+    HITS,
+    KEY,
+    LAST_SEEN,
+    LOOKUPS,
+    READ_HITS,
+    READS,
+    SKETCH_ADDITIONS,
+)
 
 _C1 = tf.constant(0xBF58476D1CE4E5B9, tf.uint64)
 _C2 = tf.constant(0x94D049BB133111EB, tf.uint64)
@@ -118,6 +126,7 @@ class _Shard:
         self.free_count = _tf.variable_on(
             self.device, np.full([self.num_partitions], rows, np.int64))
 
+
     def tf_variable(self, name):
         return _keras.tf_variable(self.variables[name])
 
@@ -164,7 +173,7 @@ class _Shard:
 
     # -- lookups ----------------------------------------------------------------------
     def find(self, keys, counts, partitions, training):
-        """Rows (local to this shard; -1: none) of `keys` and a `SUMMARY` vector.
+        """Rows (local to this shard; -1: none) of `keys`.
 
         Args:
             keys: int64 `[m]`, distinct.
@@ -177,25 +186,31 @@ class _Shard:
                 return self._read(keys, counts, partitions)
             if tf.inside_function():
                 self.table.traced_graphs.add(tf.compat.v1.get_default_graph())
-            return self.lock.execute(lambda: self._find_or_insert(keys, counts, partitions),
-                                     exclusive_resource_access=False)
+            # The lock is taken once the keys are here, never while they are on the way.
+            with tf.control_dependencies([keys, counts, partitions]):
+                return self.lock.execute(
+                    lambda: self._find_or_insert(keys, counts, partitions),
+                    exclusive_resource_access=False)
 
     def _clock(self):
         return tf.gather(self.tf_variable("stats"), 0)[CLOCK]
-
-    def _rows_used(self, free_count):
-        return self.size - tf.reduce_sum(free_count)
 
     def _read(self, keys, counts, partitions):
         found = tf.reshape(self.map.lookup(keys), [-1])
         if self.spec.steps_to_live is not None:
             last = tf.gather(self.tf_variable("state"), tf.maximum(found, 0))[:, LAST_SEEN]
             found = tf.where(self._clock() - last > self.spec.steps_to_live, -1, found)
-        hits = tf.reduce_sum(tf.where(found >= 0, counts, 0))
-        zero = tf.constant(0, tf.int64)
-        summary = tf.stack([tf.reduce_sum(counts), hits, zero, zero,
-                            self._rows_used(self.free_count.read_value())])
-        return found, summary
+        n = self.num_partitions
+        looked = tf.math.unsorted_segment_sum(
+            tf.stack([counts, tf.where(found >= 0, counts, 0)], axis=1), partitions, n)
+        cells = tf.stack([tf.broadcast_to(tf.range(n, dtype=tf.int64)[:, None], [n, 2]),
+                          tf.broadcast_to(tf.constant([[READS, READ_HITS]], tf.int64), [n, 2])],
+                         axis=2)
+        count = tf.raw_ops.ResourceScatterNdAdd(  # atomic: no lock on this path
+            ref=self.tf_variable("stats").handle, indices=tf.reshape(cells, [-1, 2]),
+            updates=tf.reshape(looked, [-1]))
+        with tf.control_dependencies([count]):
+            return tf.identity(found)
 
     def _find_or_insert(self, keys, counts, partitions):
         spec, n = self.spec, self.num_partitions
@@ -204,8 +219,7 @@ class _Shard:
         clock = self._clock()
         found = tf.reshape(self.map.lookup(keys), [-1])
         hit = found >= 0
-        rows_found = tf.where(hit, found, 0)
-        seen = tf.gather(state, rows_found)
+        seen = tf.gather(state, tf.maximum(found, 0))
         freed = tf.zeros([n], tf.int64)
         if spec.steps_to_live is not None:
             expired = hit & (clock - seen[:, LAST_SEEN] > spec.steps_to_live)
@@ -218,59 +232,60 @@ class _Shard:
             tf.gather(keys, touched), tf.fill(tf.shape(touched), clock),
             tf.gather(seen[:, COUNT] + counts, touched)], axis=1)))
         # Admission of the others.
-        missing = ~hit
-        admit = missing
+        admit = ~hit
         sketch_additions = tf.zeros([n], tf.int64)
         if spec.counts_occurrences:
-            admit, sketch_additions, effect = self._count(keys, counts, partitions, missing)
+            admit, sketch_additions, effect = self._count(keys, counts, partitions, admit)
             effects.append(effect)
         if spec.probability < 1.0:
             chance = 1.0 - tf.pow(1.0 - spec.probability, tf.cast(counts, tf.float64))
             admit = admit & (tf.random.uniform(tf.shape(keys), dtype=tf.float64) < chance)
         admitted = tf.where(admit)[:, 0]
-        new_keys = tf.gather(keys, admitted)
         new_partitions = tf.gather(partitions, admitted)
         needed = tf.math.unsorted_segment_sum(tf.ones_like(new_partitions), new_partitions, n)
+        # Rows for them: free rows, else rows freed now.
         with tf.control_dependencies(effects):
-            evicted, effect = self._evict(needed - self.free_count.read_value(), clock)
-        effects.append(effect)
-        with tf.control_dependencies(effects):
+            free_count = self.free_count.read_value()
+
+        def evict():
+            released, effect = self._evict(tf.maximum(needed - free_count, 0), clock)
+            with tf.control_dependencies([effect]):
+                return tf.identity(released)
+
+        evicted = tf.cond(tf.reduce_any(needed > free_count), evict,
+                          lambda: tf.zeros([n], tf.int64))
+        with tf.control_dependencies([evicted]):
             free_count = self.free_count.read_value()
         rank = rank_within(new_partitions, n)
         placed = tf.where(rank < tf.gather(free_count, new_partitions))[:, 0]
-        new_keys = tf.gather(new_keys, placed)
+        admitted = tf.gather(admitted, placed)
+        new_keys = tf.gather(keys, admitted)
         new_partitions = tf.gather(new_partitions, placed)
         position = tf.gather(free_count, new_partitions) - 1 - tf.gather(rank, placed)
         new_rows = tf.gather_nd(self.free, tf.stack([new_partitions, position], axis=1))
-        new_counts = tf.gather(tf.gather(counts, admitted), placed)
+        taken = tf.minimum(needed, free_count)  # rows admitted, per partition
         effects += [
-            self.free_count.assign_sub(tf.minimum(needed, free_count), read_value=False),
+            self.free_count.assign_sub(taken, read_value=False),
             _scatter_update(state, new_rows, tf.stack(
-                [new_keys, tf.fill(tf.shape(new_keys), clock), new_counts], axis=1)),
+                [new_keys, tf.fill(tf.shape(new_keys), clock), tf.gather(counts, admitted)],
+                axis=1)),
             *self._reset(new_rows, new_keys),
             self.map.insert(new_keys, new_rows),
         ]
-        result = tf.tensor_scatter_nd_update(
-            tf.where(hit, found, -1), tf.gather(admitted, placed)[:, None], new_rows)
-        # Statistics, per partition.
-        def per_partition(values, groups=partitions):
-            return tf.math.unsorted_segment_sum(values, groups, n)
-
-        delta = tf.stack([
-            tf.ones([n], tf.int64), per_partition(counts), per_partition(tf.where(hit, counts, 0)),
-            per_partition(tf.ones_like(new_partitions), new_partitions), evicted + freed,
-            sketch_additions], axis=1)
+        # Statistics, per partition (`kerasps.tables.STAT_COLUMNS`).
+        looked = tf.math.unsorted_segment_sum(
+            tf.stack([counts, tf.where(hit, counts, 0)], axis=1), partitions, n)
+        delta = tf.concat([tf.ones([n, 1], tf.int64), looked, tf.stack(
+            [taken, evicted + freed, sketch_additions], axis=1), tf.zeros([n, 2], tf.int64)],
+            axis=1)
         with tf.control_dependencies(effects):
             effects.append(stats.assign_add(delta, read_value=False))
         if spec.counts_occurrences:
             with tf.control_dependencies(effects):
                 effects.append(self._decay_sketch())
         with tf.control_dependencies(effects):
-            free_after = self.free_count.read_value()
-            summary = tf.stack([tf.reduce_sum(counts), tf.reduce_sum(delta[:, HITS]),
-                                tf.size(new_rows, out_type=tf.int64),
-                                tf.reduce_sum(evicted + freed), self._rows_used(free_after)])
-            return tf.identity(result), summary
+            return tf.tensor_scatter_nd_update(tf.where(hit, found, -1), admitted[:, None],
+                                               new_rows)
 
     def _count(self, keys, counts, partitions, missing):
         """Admission by count: the missing keys seen `min_count` times (this batch
@@ -307,29 +322,40 @@ class _Shard:
                 updates=tf.zeros(tf.shape(over), tf.int64))
 
     def _evict(self, short, clock):
-        """Frees rows in the partitions `short` of rows (at least `eviction_chunk` each);
-        returns the rows freed per partition and the effect."""
+        """Frees `short` rows in each partition (fewer if fewer may go): of
+        `eviction_samples` rows sampled per row needed (every row of a partition that
+        has fewer), those the policy ranks first. Returns the rows freed per partition
+        and the effect."""
         spec, rows = self.spec, self.spec.rows_per_partition
         state = self.tf_variable("state")
         full = tf.where(short > 0)[:, 0]
-        wanted = tf.maximum(tf.gather(short, full), spec.eviction_chunk)
-        k = tf.cast(tf.minimum(tf.reduce_max(tf.concat([wanted, [0]], 0)), rows), tf.int32)
-        region = full[:, None] * rows + tf.range(rows, dtype=tf.int64)[None, :]
-        seen = tf.reshape(tf.gather(state, tf.reshape(region, [-1])), [-1, rows, 3])
-        last = seen[:, :, LAST_SEEN]
-        free_to_go = (last >= 0) & (last < clock - self.table.protected_steps)
+        wanted = tf.gather(short, full)
+        samples = tf.minimum(wanted * tables.EVICTION_SAMPLES, rows)
+        group = tf.repeat(tf.range(tf.size(full, out_type=tf.int64)), samples)
+        column = tf.where(tf.gather(samples, group) >= rows,  # the whole partition
+                          tf.ragged.range(samples).flat_values,
+                          tf.random.uniform(tf.shape(group), 0, rows, tf.int64))
+        candidates, _ = tf.unique(tf.gather(full, group) * rows + column)
+        seen = tf.gather(state, candidates)
+        last = seen[:, LAST_SEEN]
+        may_go = (last >= 0) & (last < clock - self.table.protected_steps)
         if spec.eviction == tables.Eviction.LFU.value:
-            score = tf.cast(seen[:, :, COUNT], tf.float64) + tf.cast(last, tf.float64) / tf.cast(
+            score = tf.cast(seen[:, COUNT], tf.float64) + tf.cast(last, tf.float64) / tf.cast(
                 clock + 1, tf.float64)
         else:
             score = tf.cast(last, tf.float64)
         if spec.steps_to_live is not None:
             score = tf.where(clock - last > spec.steps_to_live, -1.0, score)
-        score = tf.where(free_to_go, score, np.inf)
-        negated, columns = tf.math.top_k(-score, k)
-        chosen = (tf.range(k, dtype=tf.int64)[None, :] < wanted[:, None]) & (negated > -np.inf)
-        victims = tf.boolean_mask(tf.gather(region, columns, batch_dims=1), chosen)
-        return self._release(victims)
+        score = tf.where(may_go, score, np.inf)
+        # Candidates by partition, then by score; each partition frees its first ones.
+        order = tf.argsort(score, stable=True)
+        partitions = tf.gather(candidates // rows, order)
+        regroup = tf.argsort(partitions, stable=True)
+        order, partitions = tf.gather(order, regroup), tf.gather(partitions, regroup)
+        rank = tf.range(tf.size(partitions, out_type=tf.int64)) - tf.searchsorted(
+            partitions, partitions, side="left", out_type=tf.int64)
+        chosen = (rank < tf.gather(short, partitions)) & (tf.gather(score, order) < np.inf)
+        return self._release(tf.gather(candidates, tf.boolean_mask(order, chosen)))
 
     def _release(self, victims):
         """Frees the rows `victims`: out of the map, marked free, on their free stacks."""
@@ -502,7 +528,7 @@ class DynamicTable:
 
     # -- lookups ----------------------------------------------------------------------
     def lookup(self, keys, training):
-        """Vectors `[n, output_dim]` of the int64 `keys` `[n]` and a `SUMMARY` vector."""
+        """Vectors `[n, output_dim]` of the int64 `keys` `[n]`."""
         if self.strategy is not None and tf.executing_eagerly():
             # On the coordinator: eager ops lose the shapes of remote resources.
             if training not in self._functions:
@@ -517,8 +543,7 @@ class DynamicTable:
                                               tf.size(unique, out_type=tf.int64))
         partitions = modulo(mix64(unique), self.spec.num_partitions)
         if len(self.shards) == 1:
-            vectors, summary = self._lookup_shard(self.shards[0], unique, counts, partitions,
-                                                  training)
+            vectors = self._lookup_shard(self.shards[0], unique, counts, partitions, training)
         else:
             shard_of = tf.gather(tf.constant(self._partition_to_shard, tf.int32), partitions)
             local = partitions - tf.gather(tf.constant(self._partition_offset, tf.int64),
@@ -528,15 +553,25 @@ class DynamicTable:
             parts = zip(tf.dynamic_partition(unique, shard_of, count),
                         tf.dynamic_partition(counts, shard_of, count),
                         tf.dynamic_partition(local, shard_of, count))
-            results = [self._lookup_shard(shard, *part, training)
-                       for shard, part in zip(self.shards, parts)]
-            vectors = tf.dynamic_stitch(where, [v for v, _ in results])
-            summary = tf.add_n([s for _, s in results])
-        return variables_lib._expand_rows(vectors, positions), summary
+            vectors = tf.dynamic_stitch(where, [self._lookup_shard(shard, *part, training)
+                                                for shard, part in zip(self.shards, parts)])
+        return variables_lib._expand_rows(vectors, positions)
 
     def _lookup_shard(self, shard, keys, counts, partitions, training):
-        rows, summary = shard.find(keys, counts, partitions, training)
-        return shard.gather(rows), summary
+        return shard.gather(shard.find(keys, counts, partitions, training))
+
+    def totals(self):
+        """`[lookups, hits, admitted, evicted, rows_used]` (int64) over the shards: lookups
+        and hits of every lookup (training or not), admitted and evicted rows so far."""
+        parts = []
+        for shard in self.shards:
+            with _placed(shard.device):
+                stats = tf.reduce_sum(shard.tf_variable("stats").read_value(), axis=0)
+                parts.append(tf.stack([
+                    stats[LOOKUPS] + stats[READS], stats[HITS] + stats[READ_HITS],
+                    stats[ADMITTED],
+                    stats[EVICTED], shard.size - tf.reduce_sum(shard.free_count.read_value())]))
+        return tf.add_n(parts)
 
     # -- state --------------------------------------------------------------------------
     def rebuild(self):
