@@ -17,10 +17,10 @@ their decisions, and the memory arithmetic.
 Policies:
 
 * Admission: an id gets a row once seen `min_count` times (counted in a
-  count-min sketch per partition, `sketch_shape`, halved every
-  `sketch_window` additions so that it counts recent occurrences in bounded
-  memory, as TinyLFU does), and/or with probability `probability` per
-  occurrence. Until then it reads the default vector (zeros) and gets no
+  count-min sketch per partition, `sketch_shape`, with conservative updates,
+  halved every `sketch_window` additions so that it counts recent
+  occurrences in bounded memory, as TinyLFU does), and/or with probability
+  `probability` per occurrence. Until then it reads the default vector (zeros) and gets no
   update.
 * Eviction, when a partition has no free row: `"lru"` frees the rows of the
   least recently seen ids (the default: a growing stream's new ids replace

@@ -95,6 +95,8 @@ class Result:
         staleness: staleness of applied gradients (NumPy array, async).
         step_ends: time of each kept global step (NumPy array).
         events: per worker step `(worker, start, end, version, outcome)`, if recorded.
+        table: with `[table]`, the dynamic table's replay (`simulator.table.TableLoad`:
+            hit rate, rows admitted and evicted per step, bytes per ps task per step).
     """
 
     name: str
@@ -120,6 +122,7 @@ class Result:
     staleness: np.ndarray = dataclasses.field(repr=False)
     step_ends: np.ndarray = dataclasses.field(repr=False)
     events: list | None = dataclasses.field(default=None, repr=False)
+    table: dict | None = None
 
     @property
     def steps_per_second(self) -> float:
@@ -176,6 +179,7 @@ class Result:
             "global_step_interval": describe(intervals),
             "staleness": describe(self.staleness),
             "ps": self.ps,
+            **({} if self.table is None else {"table": self.table}),
         }
 
     def flat_summary(self) -> dict:
@@ -188,7 +192,8 @@ class Result:
                     walk(f"{prefix}.{k}" if prefix else str(k), v)
             elif isinstance(value, list):
                 for i, v in enumerate(value):
-                    walk(f"{prefix}.{i}", {k: x for k, x in v.items() if k != "index"})
+                    walk(f"{prefix}.{i}", {k: x for k, x in v.items() if k != "index"}
+                         if isinstance(v, dict) else v)
             else:
                 flat[prefix] = value
 
@@ -246,8 +251,15 @@ class Result:
         if self.ended_by is not None:
             lines.append(f"  job ended          at {self.ended_by['time']:.3f} s: "
                          f"{self.ended_by['reason']}")
+        if self.table is not None:
+            t = self.table
+            lines.append(f"  dynamic table      hit rate {t['hit_rate']:.3f}, per worker step "
+                         f"{t['unique_per_step']:.0f} distinct ids, {t['admitted_per_step']:.1f} "
+                         f"admitted, {t['evicted_per_step']:.1f} evicted")
         for p in self.ps:
-            lines.append(f"  ps{p['index']}                {p['bytes']:,} bytes, "
+            table = (f", table {self.table['bytes_per_step'][p['index']]:,.0f} bytes/step"
+                     if self.table is not None else "")
+            lines.append(f"  ps{p['index']}                {p['bytes']:,} bytes{table}, "
                          f"utilization {p['utilization']:.3f}")
         return "\n".join(lines)
 

@@ -117,14 +117,15 @@ class _Shard:
     def make_resources(self):
         """Creates the map, the free-row stacks and the lock (again after a ps restart)."""
         rows = self.spec.rows_per_partition
-        with _placed(self.device):
-            self.map = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, -1)
-            self.lock = tf.CriticalSection()
         # Stack `p` holds partition p's free rows; its top (the last one) is taken first.
         free = np.arange(self.size, dtype=np.int64).reshape(self.num_partitions, rows)[:, ::-1]
-        self.free = _tf.variable_on(self.device, np.ascontiguousarray(free))
-        self.free_count = _tf.variable_on(
-            self.device, np.full([self.num_partitions], rows, np.int64))
+        with tf.init_scope():  # also when the layer is first called in a tf.function
+            with _placed(self.device):
+                self.map = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, -1)
+                self.lock = tf.CriticalSection()
+            self.free = _tf.variable_on(self.device, np.ascontiguousarray(free))
+            self.free_count = _tf.variable_on(
+                self.device, np.full([self.num_partitions], rows, np.int64))
 
 
     def tf_variable(self, name):
@@ -289,7 +290,9 @@ class _Shard:
 
     def _count(self, keys, counts, partitions, missing):
         """Admission by count: the missing keys seen `min_count` times (this batch
-        included) are admitted; the others' occurrences are added to the sketch."""
+        included) are admitted; the others' occurrences are added to the sketch, by
+        conservative update (a key's counters are raised to its new estimate, no
+        further: far fewer overestimates than adding to each)."""
         spec = self.spec
         sketch = self.tf_variable("sketch")
         depth, width = spec.sketch_shape
@@ -302,9 +305,9 @@ class _Shard:
         enough = estimate + counts >= spec.min_count
         add = missing & ~enough
         added = tf.boolean_mask(counts, add)
-        effect = tf.raw_ops.ResourceScatterNdAdd(
+        effect = tf.raw_ops.ResourceScatterNdMax(
             ref=sketch.handle, indices=tf.reshape(tf.boolean_mask(where, add), [-1, 3]),
-            updates=tf.cast(tf.repeat(added, depth), tf.int32))
+            updates=tf.cast(tf.repeat(tf.boolean_mask(estimate, add) + added, depth), tf.int32))
         additions = tf.math.unsorted_segment_sum(
             added, tf.boolean_mask(partitions, add), self.num_partitions)
         return missing & enough, additions, effect
