@@ -195,6 +195,8 @@ _loading = _Loading()
 def checking_weights_file() -> bool:
     """True during the checking pass of a weights file load (`assign` only checks shapes)."""
     return _loading.checking
+
+
 _VARIABLE_SIGNATURE = inspect.signature(KerasTFVariable.__init__)
 _installed = False
 

@@ -293,6 +293,25 @@ def test_weights_round_trip_and_rebuild_the_maps(tmp_path):
     wrong = id_model(DynamicEmbedding(3, capacity=16, num_partitions=4, min_count=2))
     with pytest.raises(ValueError, match=r"stats"):
         wrong.load_weights(tmp_path / "m.weights.h5")
+    model.compile("adagrad", "mse")
+    model.train_on_batch(np.array([[1], [2]]), np.ones((2, 1)))
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert rows_of(loaded.layers[1]) == rows_of(layer)
+    assert loaded.layers[1].get_config() == layer.get_config()
+
+
+def test_model_checkpoint_holds_the_table(tmp_path):
+    layer = DynamicEmbedding(2, capacity=8, num_partitions=1, name="items")
+    model = id_model(layer)
+    model.compile(keras.optimizers.Adagrad(0.1), "mse")
+    checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "e{epoch}.weights.h5"),
+                                                 save_weights_only=True)
+    model.fit(np.arange(12).reshape(-1, 1), np.ones((12, 1)), batch_size=4, epochs=2,
+              verbose=0, callbacks=[checkpoint])
+    copy = id_model(DynamicEmbedding(2, capacity=8, num_partitions=1, name="items"))
+    copy.load_weights(tmp_path / "e2.weights.h5")
+    assert rows_of(copy.layers[1]) == rows_of(layer) and len(rows_of(layer)) == 8
 
 
 # -- under the strategy ---------------------------------------------------------------
