@@ -424,7 +424,8 @@ def test_fit_trains_with_eviction_and_logs_the_table(make_strategy, mode):
     with strategy.scope():
         layer = DynamicEmbedding(4, capacity=128, num_partitions=2, name="items")
         model = id_model(layer)
-        model.compile(keras.optimizers.Adam(0.05), "binary_crossentropy")
+        model.compile(keras.optimizers.Adam(0.05), "binary_crossentropy",
+                      steps_per_execution=5 if mode == "async" else 1)
     rng = np.random.default_rng(1)
 
     def dataset_fn(context):
