@@ -26,12 +26,12 @@ Policies:
   least recently seen ids (the default: a growing stream's new ids replace
   the ones no longer seen), `"lfu"` those of the least frequently seen ids
   (ties: least recent; for stationary distributions, where recency is noise).
-  As Redis' approximated LRU, the policy ranks `EVICTION_SAMPLES` (16) rows of
-  the partition sampled per row needed, so a new id costs the same whatever
-  the table's size: the row freed is the oldest of 16, older than 96% of the
-  partition's rows half of the time (older than a share q of them with
-  probability 1 - q**16); a partition of at most 16 rows per row needed is
-  ranked whole (exact). With `steps_to_live`, an id unseen for that many
+  As Redis' approximated LRU, each row needed is the one the policy ranks
+  first among `EVICTION_SAMPLES` (16) rows of the partition drawn at random,
+  so a new id costs the same whatever the table's size: the row freed is the
+  oldest of 16, older than 96% of the partition's rows half of the time
+  (older than a share q of them with probability 1 - q**16); a partition of
+  at most 16 rows is ranked whole (exact). With `steps_to_live`, an id unseen for that many
   steps has no row any more: its next lookup misses, and its row goes first
   among those sampled.
 * Rows looked up in the last `protected_steps` steps are never freed: a

@@ -142,7 +142,7 @@ class TableModel:
         if rows <= tables.EVICTION_SAMPLES:
             candidates = np.arange(rows)
         else:
-            candidates = np.unique(self.rng.integers(0, rows, tables.EVICTION_SAMPLES))
+            candidates = self.rng.integers(0, rows, tables.EVICTION_SAMPLES)
         last = self.last[p][candidates]
         score = last.astype(np.float64)
         if self.spec.eviction == tables.Eviction.LFU.value:

@@ -241,10 +241,11 @@ def test_eviction_frees_old_rows_of_a_large_partition_by_sampling():
     train(layer, [np.arange(i, i + 512) for i in range(0, 4096, 512)])  # 8 ages
     train(layer, [np.arange(10_000, 10_032)])  # 32 rows to free: 512 sampled of 4096
     rows = rows_of(layer)
-    assert len(rows) == 4096 and set(range(10_000, 10_032)) <= set(rows)
     freed = set(range(4096)) - set(rows)
-    assert len(freed) == 32 and max(freed) < 1024  # among the 2 oldest eighths
-    assert layer.table_stats()["evicted"] == 32
+    assert 28 <= len(freed) <= 32  # two draws may pick one row: an id waits for its next
+    assert len(rows) == 4096 and len(set(range(10_000, 10_032)) & set(rows)) == len(freed)
+    assert max(freed) < 2048  # the oldest of 16 draws: in the older half
+    assert layer.table_stats()["evicted"] == len(freed)
 
 
 def test_a_batch_never_evicts_its_own_ids():

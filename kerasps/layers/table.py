@@ -248,14 +248,10 @@ class _Shard:
         with tf.control_dependencies(effects):
             free_count = self.free_count.read_value()
 
-        def evict():
-            released, effect = self._evict(tf.maximum(needed - free_count, 0), clock)
-            with tf.control_dependencies([effect]):
-                return tf.identity(released)
-
-        evicted = tf.cond(tf.reduce_any(needed > free_count), evict,
-                          lambda: tf.zeros([n], tf.int64))
-        with tf.control_dependencies([evicted]):
+        # (Not in a `tf.cond`: a full table evicts at nearly every step, and the ops of an
+        # empty eviction cost less than the conditional's function call.)
+        evicted, effect = self._evict(tf.maximum(needed - free_count, 0), clock)
+        with tf.control_dependencies([effect]):
             free_count = self.free_count.read_value()
         rank = rank_within(new_partitions, n)
         placed = tf.where(rank < tf.gather(free_count, new_partitions))[:, 0]
@@ -325,40 +321,51 @@ class _Shard:
                 updates=tf.zeros(tf.shape(over), tf.int64))
 
     def _evict(self, short, clock):
-        """Frees `short` rows in each partition (fewer if fewer may go): of
-        `eviction_samples` rows sampled per row needed (every row of a partition that
-        has fewer), those the policy ranks first. Returns the rows freed per partition
-        and the effect."""
-        spec, rows = self.spec, self.spec.rows_per_partition
+        """Frees `short` rows in each partition (fewer if fewer may go); returns the rows
+        freed per partition and the effect.
+
+        Each row needed is the one the policy ranks first among `EVICTION_SAMPLES` rows of
+        its partition drawn at random (two draws that pick the same row free it once); a
+        partition of at most that many rows is ranked whole.
+        """
+        rows, samples = self.spec.rows_per_partition, tables.EVICTION_SAMPLES
         state = self.tf_variable("state")
         full = tf.where(short > 0)[:, 0]
         wanted = tf.gather(short, full)
-        samples = tf.minimum(wanted * tables.EVICTION_SAMPLES, rows)
-        group = tf.repeat(tf.range(tf.size(full, out_type=tf.int64)), samples)
-        column = tf.where(tf.gather(samples, group) >= rows,  # the whole partition
-                          tf.ragged.range(samples).flat_values,
-                          tf.random.uniform(tf.shape(group), 0, rows, tf.int64))
-        candidates, _ = tf.unique(tf.gather(full, group) * rows + column)
-        seen = tf.gather(state, candidates)
-        last = seen[:, LAST_SEEN]
-        may_go = (last >= 0) & (last < clock - self.table.protected_steps)
+        if rows <= samples:
+            candidates = full[:, None] * rows + tf.range(rows, dtype=tf.int64)[None, :]
+            score = self._score(tf.gather(state, candidates), clock)  # [q, rows]
+            k = tf.cast(tf.minimum(tf.reduce_max(tf.concat([wanted, [0]], 0)), rows), tf.int32)
+            negated, columns = tf.math.top_k(-score, k)
+            chosen = (tf.range(k, dtype=tf.int64)[None, :] < wanted[:, None]) & (
+                negated > -np.inf)
+            victims = tf.boolean_mask(tf.gather(candidates, columns, batch_dims=1), chosen)
+        else:
+            owner = tf.repeat(full, wanted)  # the partition of each row needed
+            draws = tf.random.uniform(tf.stack([tf.size(owner), samples]), dtype=tf.float32)
+            candidates = owner[:, None] * rows + tf.minimum(
+                tf.cast(draws * rows, tf.int64), rows - 1)
+            score = self._score(tf.gather(state, candidates), clock)  # [needed, samples]
+            best = tf.argmin(score, axis=1, output_type=tf.int64)
+            victims = tf.gather(candidates, best, batch_dims=1)
+            victims, _ = tf.unique(tf.boolean_mask(victims, tf.reduce_min(score, axis=1)
+                                                   < np.inf))
+        return self._release(victims)
+
+    def _score(self, seen, clock):
+        """The eviction policy's rank of rows (`seen`: their state): lowest first; `inf` for
+        rows that may not go (free, or looked up in the last `protected_steps`)."""
+        spec = self.spec
+        last = seen[..., LAST_SEEN]
         if spec.eviction == tables.Eviction.LFU.value:
-            score = tf.cast(seen[:, COUNT], tf.float64) + tf.cast(last, tf.float64) / tf.cast(
+            score = tf.cast(seen[..., COUNT], tf.float64) + tf.cast(last, tf.float64) / tf.cast(
                 clock + 1, tf.float64)
         else:
             score = tf.cast(last, tf.float64)
         if spec.steps_to_live is not None:
             score = tf.where(clock - last > spec.steps_to_live, -1.0, score)
-        score = tf.where(may_go, score, np.inf)
-        # Candidates by partition, then by score; each partition frees its first ones.
-        order = tf.argsort(score, stable=True)
-        partitions = tf.gather(candidates // rows, order)
-        regroup = tf.argsort(partitions, stable=True)
-        order, partitions = tf.gather(order, regroup), tf.gather(partitions, regroup)
-        rank = tf.range(tf.size(partitions, out_type=tf.int64)) - tf.searchsorted(
-            partitions, partitions, side="left", out_type=tf.int64)
-        chosen = (rank < tf.gather(short, partitions)) & (tf.gather(score, order) < np.inf)
-        return self._release(tf.gather(candidates, tf.boolean_mask(order, chosen)))
+        may_go = (last >= 0) & (last < clock - self.table.protected_steps)
+        return tf.where(may_go, score, np.inf)
 
     def _release(self, victims):
         """Frees the rows `victims`: out of the map, marked free, on their free stacks."""
