@@ -20,8 +20,8 @@ Policies:
   count-min sketch per partition, `sketch_shape`, with conservative updates,
   halved every `sketch_window` additions so that it counts recent
   occurrences in bounded memory, as TinyLFU does), and/or with probability
-  `probability` per occurrence. Until then it reads the default vector (zeros) and gets no
-  update.
+  `probability` per occurrence. Until then it reads the default vector
+  (zeros) and gets no update.
 * Eviction, when a partition has no free row: `"lru"` frees the rows of the
   least recently seen ids (the default: a growing stream's new ids replace
   the ones no longer seen), `"lfu"` those of the least frequently seen ids
@@ -31,11 +31,12 @@ Policies:
   so a new id costs the same whatever the table's size: the row freed is the
   oldest of 16, older than 96% of the partition's rows half of the time
   (older than a share q of them with probability 1 - q**16); a partition of
-  at most 16 rows is ranked whole (exact). With `steps_to_live`, an id unseen for that many
-  steps has no row any more: its next lookup misses, and its row goes first
-  among those sampled.
-* Rows looked up in the last `protected_steps` steps are never freed: a
-  gradient still in flight for an id never lands on a row reused for another.
+  at most 16 rows is ranked whole (exact). With `steps_to_live`, an id unseen
+  for that many steps has no row any more: its next lookup misses, and its
+  row goes first among those sampled.
+* Under a strategy, rows looked up in the last 4 x workers training lookups
+  are never freed: a gradient still in flight for an id never lands on a row
+  reused for another.
 """
 
 from __future__ import annotations
