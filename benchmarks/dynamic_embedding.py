@@ -304,9 +304,6 @@ def run_faults(args):
             if batch and int(batch.group(1)) == 75 and not killed_at:
                 os.kill(pids["ps 1"], 9)
                 killed_at = {"step": 75, "t": float(batch.group(2))}
-            if batch and killed_at and "recovered_t" not in killed_at and int(
-                    batch.group(1)) > 75:
-                killed_at["recovered_t"] = float(batch.group(2))
         code = process.wait()
     result = next((eval(line.split("RESULT ", 1)[1]) for line in lines if "RESULT " in line),
                   None)
