@@ -1,5 +1,5 @@
-"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s notebooks`, `nox -s slow`, `nox -s stress`,
-`nox -s benchmarks`, `nox -s demo`. Each runs in a fresh virtual environment."""
+"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s notebooks`, `nox -s slow`,
+`nox -s stress`, `nox -s benchmarks`, `nox -s demo`. Each runs in a fresh virtual environment."""
 
 import nox
 

@@ -14,8 +14,8 @@ Port TensorFlow parameter-server code by changing imports:
     model.fit(kerasps.DatasetCreator(dataset_fn), epochs=5, steps_per_epoch=20)
 
 Attributes are imported lazily: `kerasps.placement`, `kerasps.partitioners`,
-`kerasps.consistency`, `kerasps.membership` and `kerasps.trace` are pure Python,
-and importing them (as `simulator` does) does not import TensorFlow.
+`kerasps.consistency`, `kerasps.membership`, `kerasps.tables` and `kerasps.trace`
+are pure Python, and importing them (as `simulator` does) does not import TensorFlow.
 """
 
 import importlib
@@ -46,6 +46,8 @@ _LAZY = {
     "data_service": None,
     "membership": None,
     "launch": None,
+    "layers": None,
+    "tables": None,
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

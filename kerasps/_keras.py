@@ -237,6 +237,13 @@ class _Loading(threading.local):
 
 
 _loading = _Loading()
+
+
+def checking_weights_file() -> bool:
+    """True during the checking pass of a weights file load (`assign` only checks shapes)."""
+    return _loading.checking
+
+
 _VARIABLE_SIGNATURE = inspect.signature(KerasTFVariable.__init__)
 _installed = False
 
@@ -255,6 +262,18 @@ def bind_variable_args(args, kwargs) -> dict:
     extra = arguments.pop("kwargs", {})
     arguments.update(extra)
     return arguments
+
+
+def _build_optimizer_for_tables(model):
+    """Builds the optimizer of a model with a `kerasps.layers.DynamicEmbedding` before
+    Keras traces a step (Keras builds it inside the trace, after the layers' calls): a
+    table resets the optimizer slots of the rows it reuses, and its lookups can only do
+    that if the slots exist when they are traced. kerasps' own `fit` builds it first."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or optimizer.built or not model.built:
+        return
+    if any(hasattr(layer, "_kerasps_renew_resources") for layer in model._flatten_layers()):
+        optimizer.build(model.trainable_variables)
 
 
 def install():
@@ -632,6 +651,7 @@ def install():
             if kerasps_trainer.uses_kerasps(self):
                 with self.distribute_strategy.scope():
                     return __replacement(self, *args, **kwargs)
+            _build_optimizer_for_tables(self)
             return __original(self, *args, **kwargs)
 
         functools.update_wrapper(dispatch, original)

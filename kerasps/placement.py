@@ -23,6 +23,7 @@ import numbers
 from collections.abc import Callable, Iterable, Sequence
 
 from kerasps import partitioners as partitioners_lib
+from kerasps import tables as tables_lib
 from kerasps._validation import positive_int
 
 __all__ = [
@@ -155,11 +156,14 @@ class PlacementReport(tuple):
     task and their `imbalance`.
 
     `num_ps`, when known, makes idle ps tasks show up in `bytes_per_ps()`.
+    `tables`: `kerasps.tables.TableRecord`s of the dynamic tables (rows used,
+    admitted, evicted and hit rate per ps task), printed after the shards.
     """
 
-    def __new__(cls, records=(), num_ps: int | None = None):
+    def __new__(cls, records=(), num_ps: int | None = None, tables=()):
         report = super().__new__(cls, records)
         report.num_ps = num_ps
+        report.tables = tuple(tables)
         return report
 
     def bytes_per_ps(self, num_ps: int | None = None) -> list[int]:
@@ -199,6 +203,8 @@ class PlacementReport(tuple):
         loads = self.bytes_per_ps()
         lines.append("bytes per ps task: " + ", ".join(f"ps{i}={b:,}" for i, b in enumerate(loads))
                      + f"; imbalance (max/mean): {self.imbalance:.2f}")
+        if self.tables:
+            lines += ["", "dynamic tables:", *tables_lib.table_lines(self.tables)]
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+import weakref
 
 import tensorflow as tf
 
@@ -77,6 +78,7 @@ class _Extended(_tf.ParameterServerStrategyV2Extended):
         self._placer = placement_lib.get_placer(placement, self._num_ps)
         self._records = []
         self._records_lock = threading.Lock()
+        self._tables = weakref.WeakSet()  # dynamic tables (`kerasps.layers`) made here
 
     @property
     def variable_partitioner(self):
@@ -129,7 +131,9 @@ class _Extended(_tf.ParameterServerStrategyV2Extended):
             shape = tuple(tf.convert_to_tensor(kwargs["initial_value"]).shape)
         dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
         nbytes = variables_lib.nbytes(shape, dtype.name)
-        ps_task = self._placer.choose(name, shape, dtype.name, nbytes)
+        ps_task = variables_lib.pinned_ps_task()
+        if ps_task is None:
+            ps_task = self._placer.choose(name, shape, dtype.name, nbytes)
         with _tf.no_colocation():
             with tf.device(f"/job:ps/task:{ps_task}/device:CPU:0"):
                 var = next_creator(**kwargs)
@@ -333,10 +337,15 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
             A `kerasps.placement.PlacementReport`: a tuple of `ShardRecord`s
             (fields `name`, `variable`, `shard`, `shape`, `dtype`, `bytes`,
             `ps_task`) that prints as a table with the bytes per ps task and
-            their `imbalance` (max/mean bytes per ps task, 1.0 when even).
+            their `imbalance` (max/mean bytes per ps task, 1.0 when even), and,
+            as `tables`, each dynamic table's rows used, admitted, evicted and
+            hit rate per ps task (`kerasps.tables.TableRecord`s, read now).
         """
+        tables = [record for table in sorted(self._extended._tables, key=lambda t: t.name)
+                  for record in table.records()]
         with self._extended._records_lock:
-            return placement_lib.PlacementReport(self._extended._records, num_ps=self.num_ps)
+            return placement_lib.PlacementReport(self._extended._records, num_ps=self.num_ps,
+                                                 tables=tables)
 
     def coordinator(self):
         """Returns the strategy's `kerasps.ClusterCoordinator` (created once)."""

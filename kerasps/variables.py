@@ -82,6 +82,23 @@ def current_creation():
     return None, None
 
 
+@contextlib.contextmanager
+def on_ps_task(ps_task: int):
+    """Variables created inside go to ps task `ps_task`, whatever the placement policy
+    (the shards of a `kerasps.layers.DynamicEmbedding` table: one per ps task)."""
+    _stack("ps_task").append(ps_task)
+    try:
+        yield
+    finally:
+        _stack("ps_task").pop()
+
+
+def pinned_ps_task() -> int | None:
+    """The ps task of the innermost `on_ps_task`, or `None`."""
+    stack = _stack("ps_task")
+    return stack[-1] if stack else None
+
+
 def creating_keras_variable() -> bool:
     """True while a Keras variable (sharded or not) creates its `tf.Variable`."""
     return any(v is not None or n is not None for v, n, _ in _stack("creating"))
@@ -433,6 +450,9 @@ def track_slot(optimizer, reference, slot):
     slots become the shards of a `ShardedVariable` too, so that the slot is
     saved whole, like the variable (see `logical_variables`).
     """
+    on_slot = getattr(reference, "_kerasps_on_slot", None)
+    if on_slot is not None:  # a dynamic table resets the slots of the rows it reuses
+        on_slot(slot)
     container = getattr(reference, "_kerasps_container", None)
     if container is None:
         return

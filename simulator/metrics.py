@@ -106,6 +106,8 @@ class Result:
         step_ends: time of each kept global step (NumPy array).
         step_work: seconds each kept global step took, pauses excluded (NumPy array).
         events: per worker step `(worker, start, end, version, outcome)`, if recorded.
+        table: with `[table]`, the dynamic table's replay (`simulator.table.TableLoad`:
+            hit rate, rows admitted and evicted per step, bytes per ps task per step).
     """
 
     name: str
@@ -134,6 +136,7 @@ class Result:
         default_factory=lambda: np.zeros(0), repr=False)
     step_work: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0), repr=False)
     events: list | None = dataclasses.field(default=None, repr=False)
+    table: dict | None = None
 
     @property
     def steps_per_second(self) -> float:
@@ -206,6 +209,7 @@ class Result:
             "global_step_interval": describe(intervals),
             "staleness": describe(self.staleness),
             "ps": self.ps,
+            **({} if self.table is None else {"table": self.table}),
         }
 
     def flat_summary(self) -> dict:
@@ -218,7 +222,8 @@ class Result:
                     walk(f"{prefix}.{k}" if prefix else str(k), v)
             elif isinstance(value, list):
                 for i, v in enumerate(value):
-                    walk(f"{prefix}.{i}", {k: x for k, x in v.items() if k != "index"})
+                    walk(f"{prefix}.{i}", {k: x for k, x in v.items() if k != "index"}
+                         if isinstance(v, dict) else v)
             else:
                 flat[prefix] = value
 
@@ -287,9 +292,17 @@ class Result:
         if self.ended_by is not None:
             lines.append(line("job ended", f"at {self.ended_by['time']:.3f} s: "
                                            f"{self.ended_by['reason']}"))
-        if self.models_ps:
+        if self.table is not None:
+            t = self.table
+            lines.append(line("dynamic table", f"hit rate {t['hit_rate']:.3f}, per worker step "
+                                               f"{t['unique_per_step']:.0f} distinct ids, "
+                                               f"{t['admitted_per_step']:.1f} admitted, "
+                                               f"{t['evicted_per_step']:.1f} evicted"))
+        if self.models_ps or self.table is not None:
             for p in self.ps:
-                lines.append(line(f"ps{p['index']}", f"{p['bytes']:,} bytes, "
+                table = (f", table {self.table['bytes_per_step'][p['index']]:,.0f} bytes/step"
+                         if self.table is not None else "")
+                lines.append(line(f"ps{p['index']}", f"{p['bytes']:,} bytes{table}, "
                                                      f"utilization {p['utilization']:.3f}"))
         return "\n".join(lines)
 

@@ -33,6 +33,9 @@ class ParameterServer:
     Attributes:
         index: task index.
         nbytes: bytes of variable shards placed on it.
+        step_bytes: bytes it reads and applies per worker step: `nbytes`, plus
+            its part of a dynamic table's traffic (`[table]`; the table's rows
+            move only as the batch touches them).
         service_time: seconds it spends on one worker step (apply the
             gradient, serve the read); with contention, this plus the wire
             time is how long a step holds `resource`.
@@ -41,10 +44,13 @@ class ParameterServer:
         busy: seconds spent serving (contention mode only; otherwise derived).
     """
 
-    def __init__(self, env: simpy.Environment, index: int, nbytes: int, spec: PsSpec):
+    def __init__(self, env: simpy.Environment, index: int, nbytes: int, spec: PsSpec,
+                 step_bytes: float | None = None):
         self.index = index
         self.nbytes = nbytes
-        self.service_time = 0.0 if math.isinf(spec.service_rate) else nbytes / spec.service_rate
+        self.step_bytes = nbytes if step_bytes is None else step_bytes
+        self.service_time = (0.0 if math.isinf(spec.service_rate)
+                             else self.step_bytes / spec.service_rate)
         self.resource = simpy.Resource(env, capacity=1) if spec.contention else None
         self.up = True
         self.busy = 0.0

@@ -18,8 +18,8 @@ backup_workers = 2
 ```
 
 and optionally `[stragglers]`, `[ps]`, `[network]`, `[model]`, `[checkpoint]`,
-`[failures]`, `[elastic]` and `[host]` (see the `*Spec` classes for their
-keys). Everything is validated when the file is loaded: unknown keys,
+`[failures]`, `[elastic]`, `[host]` and `[table]` (see the `*Spec` classes for
+their keys). Everything is validated when the file is loaded: unknown keys,
 negative rates and impossible settings raise a `ScenarioError` naming the key
 and the value received.
 """
@@ -58,6 +58,7 @@ __all__ = [
     "ElasticEvent",
     "ElasticSpec",
     "HostSpec",
+    "DynamicTableSpec",
     "Scenario",
     "load_scenario",
     "parse_value",
@@ -290,6 +291,32 @@ class HostSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class DynamicTableSpec:
+    """`[table]`: a `kerasps.layers.DynamicEmbedding` table the workers look ids up in.
+
+    Its hit rate and churn are replayed once from the stream (`simulator.table`);
+    the bytes each ps task then moves and applies per worker step are added to
+    its service and wire time.
+
+    Attributes:
+        table: the table's shape and policies (`capacity`, `output_dim`,
+            `num_partitions`, `min_count`, `probability`, `eviction`,
+            `steps_to_live`, as the layer takes them).
+        optimizer_slots: slots per row (Adagrad 1, Adam 2).
+        ids_per_step: ids one worker step looks up.
+        warmup_steps: steps replayed before counting (the table fills).
+        ids: the stream, `[table.ids]` (`simulator.idstream.ZipfStream`'s
+            `examples`, `distinct`, `window`, `exponent`, `seed`).
+    """
+
+    table: object
+    ids: object
+    optimizer_slots: int = 1
+    ids_per_step: int = 1024
+    warmup_steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Scenario:
     """A complete, validated scenario. Build one with `load_scenario` or `Scenario.from_dict`."""
 
@@ -306,6 +333,7 @@ class Scenario:
     failures: FailuresSpec = FailuresSpec()
     elastic: ElasticSpec = ElasticSpec()
     host: HostSpec = HostSpec()
+    table: DynamicTableSpec | None = None
     raw: Mapping = dataclasses.field(default_factory=dict, compare=False, repr=False)
     source: str | None = dataclasses.field(default=None, compare=False, repr=False)
     base_dir: str | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -436,11 +464,49 @@ def _parse(data: dict, source: str | None, base_dir: str | None) -> Scenario:
         raise invalid_value(f"host.{missing}", None,
                             "`host.cpus` and `host.cpu_time` must be given together", source)
     h.finish()
+    table = _parse_table(top.table("table")) if top.has("table") else None
     top.finish()
     return Scenario(workers=workers, name=name, description=description, seed=seed,
                     stragglers=stragglers, ps=ps, network=network, model=model,
                     training=training, checkpoint=checkpoint, failures=failures,
-                    elastic=elastic, host=host, raw=data, source=source, base_dir=base_dir)
+                    elastic=elastic, host=host, table=table, raw=data, source=source,
+                    base_dir=base_dir)
+
+
+def _parse_table(t: Table) -> DynamicTableSpec:
+    from kerasps import tables  # pure Python, no TensorFlow
+    from simulator.idstream import ZipfStream
+
+    def checked(make, table, names):
+        try:
+            return make()
+        except ValueError as error:  # "Invalid value for argument `x`...": name the key
+            message = str(error)
+            name = next((n for n in names if f"`{n}`" in message), names[0])
+            raise table.error(name, table.data.get(name), message.split(": ", 1)[-1].split(
+                ". Received", 1)[0]) from None
+
+    args = {name: t.raw(name) for name in ("capacity", "output_dim")}
+    for name in ("num_partitions", "min_count", "probability", "eviction", "steps_to_live"):
+        if t.has(name):
+            args[name] = t.raw(name)
+    spec = checked(lambda: tables.TableSpec(**args), t, list(args))
+    ids = t.table("ids")
+    stream_args = {name: ids.raw(name) for name in ("examples", "distinct", "window")}
+    for name in ("exponent", "seed", "chunk"):
+        if ids.has(name):
+            stream_args[name] = ids.raw(name)
+    stream = checked(lambda: ZipfStream(**stream_args), ids, list(stream_args))
+    ids.finish()
+    workload = DynamicTableSpec(table=spec, ids=stream,
+                         optimizer_slots=t.integer("optimizer_slots", 1, minimum=0),
+                         ids_per_step=t.integer("ids_per_step", 1024, minimum=1),
+                         warmup_steps=t.integer("warmup_steps", 0, minimum=0))
+    if workload.warmup_steps * workload.ids_per_step >= stream.examples:
+        raise t.error("warmup_steps", workload.warmup_steps,
+                      f"the stream (`table.ids.examples` = {stream.examples}) must outlast it")
+    t.finish()
+    return workload
 
 
 def _parse_model(t: Table, num_ps: int) -> ModelSpec:

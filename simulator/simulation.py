@@ -15,6 +15,7 @@ from simulator.metrics import Metrics, Result
 from simulator.network import Network
 from simulator.ps import ParameterServer, place_variables, ps
 from simulator.scenario import Scenario, Target
+from simulator.table import predict_load
 from simulator.worker import Worker, step_durations, worker
 
 __all__ = ["Cluster", "run"]
@@ -41,7 +42,16 @@ class Cluster:
         self.coordinator.process = env.process(coordinator(env, self.coordinator))
         self.placement = place_variables(scenario.model, scenario.ps.count)
         loads = self.placement.bytes_per_ps(scenario.ps.count)
-        self.servers = [ParameterServer(env, i, b, scenario.ps) for i, b in enumerate(loads)]
+        self.table_load = None
+        table_bytes = [0.0] * len(loads)
+        if scenario.table is not None:
+            t = scenario.table
+            self.table_load = predict_load(t.table, t.ids.chunks(), t.ids_per_step,
+                                           scenario.ps.count, t.optimizer_slots,
+                                           warmup_steps=t.warmup_steps, seed=scenario.seed)
+            table_bytes = list(self.table_load.bytes_per_step)
+        self.servers = [ParameterServer(env, i, b, scenario.ps, step_bytes=b + extra)
+                        for i, (b, extra) in enumerate(zip(loads, table_bytes))]
         for server in self.servers:
             server.process = env.process(ps(env, server, self.coordinator))
         self.network = Network(scenario.network)
@@ -60,8 +70,8 @@ class Cluster:
         """Folded ps and network seconds per step: the slowest ps task's round trip."""
         if self.scenario.ps.contention:
             return 0.0
-        return max((self.network.round_trip(s.nbytes) + s.service_time
-                    for s in self.servers if s.nbytes), default=0.0)
+        return max((self.network.round_trip(s.step_bytes) + s.service_time
+                    for s in self.servers if s.step_bytes), default=0.0)
 
     def add_worker(self) -> Worker:
         """Creates a worker (at start or on an elastic join) and starts its process."""
@@ -82,13 +92,13 @@ class Cluster:
         """The generator function a step runs after its compute delay, if any."""
         env, s = self.env, self.scenario
         parts = []
-        if s.ps.contention and any(server.nbytes for server in self.servers):
+        if s.ps.contention and any(server.step_bytes for server in self.servers):
             latency = 4 * s.network.latency
 
             def transfer(server):
                 with server.resource.request() as request:
                     yield request
-                    hold = self.network.wire_time(2 * server.nbytes) + server.service_time
+                    hold = self.network.wire_time(2 * server.step_bytes) + server.service_time
                     yield env.timeout(hold)
                     server.busy += hold
                 if latency:
@@ -96,7 +106,7 @@ class Cluster:
 
             def transfers():
                 yield env.all_of([env.process(transfer(server))
-                                  for server in self.servers if server.nbytes])
+                                  for server in self.servers if server.step_bytes])
 
             parts.append(transfers)
         if self.cpu is not None:
@@ -173,7 +183,7 @@ class Cluster:
         for server in self.servers:
             busy = server.busy if s.ps.contention else completed * server.service_time
             ps_rows.append({"index": server.index, "bytes": server.nbytes,
-                            "traffic_bytes": 2 * server.nbytes * completed,
+                            "traffic_bytes": 2 * server.step_bytes * completed,
                             "utilization": busy / elapsed if elapsed > 0 else 0.0})
         return Result(
             name=s.name, mode=s.training.mode.value, seed=s.seed,
@@ -184,7 +194,8 @@ class Cluster:
             rolled_back_steps=m.rolled_back_steps,
             downtime=m.downtime, ps=ps_rows, failures=list(m.failures),
             checkpoints=list(m.checkpoints), restarts=dict(c.restarts.counts),
-            ended_by=m.ended_by, step_times=np.asarray(m.step_times),
+            ended_by=m.ended_by, table=None if self.table_load is None else (
+                self.table_load.as_dict()), step_times=np.asarray(m.step_times),
             staleness=np.asarray(m.staleness, dtype=np.int64),
             step_ends=np.asarray(m.step_ends),
             dropped_step_times=np.asarray(m.dropped_step_times, dtype=float),

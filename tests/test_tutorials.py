@@ -247,3 +247,58 @@ def test_input_tutorial_workers_join_and_leave_a_running_fit(input_tutorial):
         position = text.index(phrase, position) + len(phrase)
     assert re.search(r"missed \d+ repeated 0$", text, re.M)
     assert "exit status 0" in text
+
+
+DYNAMIC_TUTORIAL = "07_dynamic_embeddings.ipynb"
+
+
+dynamic_tutorial = executed(DYNAMIC_TUTORIAL)
+
+
+@pytest.mark.notebook
+def test_dynamic_tutorial_beats_the_hashed_table_at_equal_memory(dynamic_tutorial):
+    text = _stdout_of(dynamic_tutorial, "auc")
+    found = {(table, int(rows.replace(",", ""))): float(value) for table, rows, value in
+             re.findall(r"^ *(dynamic|hashed|unbounded) table, +([\d,]+) rows: AUC ([\d.]+)$",
+                        text, re.M)}
+    sizes = (1_000, 4_000, 16_000)
+    assert {(t, r) for t in ("dynamic", "hashed") for r in sizes} <= set(found)
+    for rows in sizes:
+        assert found["dynamic", rows] > found["hashed", rows], found
+    unbounded = next(v for (t, _), v in found.items() if t == "unbounded")
+    assert found["dynamic", 16_000] > unbounded - 0.005, found
+
+
+@pytest.mark.notebook
+def test_dynamic_tutorial_reports_rows_used_admitted_and_evicted_per_epoch(dynamic_tutorial):
+    text = _stdout_of(dynamic_tutorial, "epochs")
+    epochs = [tuple(map(float, m)) for m in re.findall(
+        r"^epoch \d: rows used (\d+), admitted (\d+), evicted (\d+), hit rate ([\d.]+)$",
+        text, re.M)]
+    assert len(epochs) == 8
+    used = [e[0] for e in epochs]
+    assert max(used) == used[-1] == 4000  # full, never above capacity
+    assert sum(e[1] for e in epochs) - sum(e[2] for e in epochs) == 4000
+    assert epochs[-1][2] > 0 and all(0 < e[3] < 1 for e in epochs)
+    placement = _stdout_of(dynamic_tutorial, "placement")
+    rows = re.findall(r"^items +(\d) +2,000 +2,000 ", placement, re.M)
+    assert "dynamic tables:" in placement and sorted(rows) == ["0", "1"]
+
+
+@pytest.mark.notebook
+def test_dynamic_tutorial_restores_into_one_process_and_serves_without_kerasps(
+        dynamic_tutorial):
+    text = _stdout_of(dynamic_tutorial, "restore")
+    assert "table shards: 2 ps tasks -> 1 process" in text
+    assert float(re.search(r"largest difference after restoring: (\S+)", text).group(1)) == 0
+    served = _stdout_of(dynamic_tutorial, "export")
+    assert "kerasps imported: False" in served
+    assert float(re.search(r"SavedModel: largest difference (\S+)", served).group(1)) < 1e-5
+
+
+@pytest.mark.notebook
+def test_dynamic_tutorial_simulator_predicts_the_hit_rate(dynamic_tutorial):
+    text = _stdout_of(dynamic_tutorial, "simulator")
+    predicted, measured = map(float, re.search(
+        r"hit rate: simulator ([\d.]+), measured \(mean of epochs 2-8\) ([\d.]+)", text).groups())
+    assert abs(predicted - measured) < 0.03

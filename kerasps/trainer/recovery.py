@@ -18,7 +18,9 @@ restart agent, or by Kubernetes) comes back empty. When `fit` has a
    coordinator's context with the cluster, gives every variable they held a
    new resource, restores every variable from the latest backup (those on
    the surviving tasks too, so the state is exactly the backup's), resets
-   the metrics and forgets the traced step functions.
+   the metrics and forgets the traced step functions. Layers with other
+   resources on the lost tasks (`kerasps.layers.DynamicEmbedding`'s maps and
+   locks) make them again first; restoring their state rebuilds the maps.
 4. `fit` goes on from the backup's step: the steps since (at most
    `save_freq`) run again, and the call ends at the requested step count.
 
@@ -202,6 +204,11 @@ def restore_lost_state(model, backup: Backup, ps_tasks) -> Progress:
     renewed = [v for v in _state_variables(model) if _ps_task(v) in ps_tasks]
     for variable in renewed:
         _tf.renew_variable(variable)
+    for layer in model._flatten_layers():
+        # Other resources on those tasks (a dynamic table's maps and locks).
+        renew = getattr(layer, "_kerasps_renew_resources", None)
+        if renew is not None:
+            renew(ps_tasks)
     progress = backup.restore(model)
     model.reset_metrics()
     restored = {id(v) for v in [*model.weights, *model.metrics_variables]}

@@ -1,0 +1,24 @@
+"""Keras layers whose state lives on the ps tasks.
+
+* `DynamicEmbedding`: an embedding table for ids of any value (a dynamic
+  vocabulary), with admission and eviction; see `kerasps.tables` for its
+  policies and layout.
+"""
+
+import importlib
+
+_LAZY = {"DynamicEmbedding": "kerasps.layers.dynamic_embedding"}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'kerasps.layers' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,625 @@
+"""`kerasps.layers.DynamicEmbedding`: admission, eviction, training, concurrent inserts,
+state (checkpoints, resharding, export, weights) and its policy arithmetic."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerasps
+from kerasps import tables
+from kerasps.layers import DynamicEmbedding
+from kerasps.layers import table as table_lib
+
+
+def rows_of(layer):
+    """{key: (row, last_seen, count)} of the rows in use."""
+    state = layer.state.numpy()
+    used = np.flatnonzero(state[:, tables.LAST_SEEN] >= 0)
+    return {int(state[r, 0]): (int(r), int(state[r, 1]), int(state[r, 2])) for r in used}
+
+
+def vector(layer, key):
+    return layer(tf.constant([key], tf.int64)).numpy()[0]
+
+
+def train(layer, batches):
+    for batch in batches:
+        layer(tf.constant(batch, tf.int64), training=True)
+
+
+def id_model(layer, dim_in=1):
+    inputs = keras.Input((dim_in,), dtype="int64")
+    x = layer(inputs)
+    x = keras.layers.Flatten()(x)
+    return keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="ones")(x))
+
+
+# -- the policy arithmetic ---------------------------------------------------------------
+def test_tensorflow_hashes_are_the_policy_hashes():
+    keys = np.array([0, 1, -1, 2**62, -2**63, 2**63 - 1, 123456789], np.int64)
+    np.testing.assert_array_equal(table_lib.mix64(keys).numpy(), tables.mix64(keys))
+    np.testing.assert_array_equal(table_lib.modulo(table_lib.mix64(keys), 7).numpy(),
+                                  tables.partition_of(keys, 7))
+
+
+def test_partitions_spread_keys_evenly_and_ps_tasks_hold_runs_of_them():
+    spec = tables.TableSpec(capacity=60_000, output_dim=8)
+    assert spec.num_partitions == 60 and spec.rows_per_partition == 1000
+    counts = np.bincount(spec.partition_of(np.arange(600_000)), minlength=60)
+    assert counts.min() > 9_500 and counts.max() < 10_500
+    assert tables.shards_of(60, 4) == [(0, 15), (15, 15), (30, 15), (45, 15)]
+    assert tables.shards_of(3, 5) == [(0, 1), (1, 1), (2, 1)]
+    tasks = spec.ps_task_of(np.arange(1000), 4)
+    np.testing.assert_array_equal(tasks, spec.partition_of(np.arange(1000)) // 15)
+
+
+def test_memory_arithmetic_counts_rows_slots_and_maps():
+    spec = tables.TableSpec(capacity=1_000_000, output_dim=16, min_count=2)
+    memory = spec.memory_bytes(slots_per_row=1)
+    assert memory["rows"] == memory["slots"] == 64_000_000
+    assert memory["state"] == 24_000_000 and memory["sketch"] == 16_000_000
+    assert memory["total"] == sum(v for k, v in memory.items() if k != "total")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(capacity=0), "capacity=0"),
+    (dict(capacity=-5), "capacity=-5"),
+    (dict(min_count=0), "min_count=0"),
+    (dict(probability=0.0), "probability=0.0"),
+    (dict(probability=1.5), "probability=1.5"),
+    (dict(eviction="fifo"), "eviction='fifo'"),
+    (dict(num_partitions=3), "num_partitions=3"),
+    (dict(steps_to_live=0), "steps_to_live=0"),
+    (dict(combiner="max"), "combiner='max'"),
+    (dict(embeddings_initializer="glorot_uniform"), "embeddings_initializer='glorot_uniform'"),
+])
+def test_bad_arguments_are_named(kwargs, message):
+    arguments = dict(output_dim=4, capacity=16, **{k: v for k, v in kwargs.items()
+                                                    if k != "capacity"})
+    if "capacity" in kwargs:
+        arguments["capacity"] = kwargs["capacity"]
+    with pytest.raises(ValueError, match="Invalid value for argument") as info:
+        DynamicEmbedding(**arguments)
+    assert message in str(info.value)
+
+
+def test_float_ids_and_a_combiner_on_single_ids_are_refused():
+    with pytest.raises(ValueError, match=r"inputs.dtype=float32"):
+        DynamicEmbedding(4, capacity=8)(keras.Input((1,), dtype="float32"))
+    with pytest.raises(ValueError, match=r"inputs.dtype=float32"):
+        DynamicEmbedding(4, capacity=8)(tf.constant([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"one id per example.*combiner='mean'"):
+        DynamicEmbedding(4, capacity=8, combiner="mean")(keras.Input((), dtype="int64"))
+    with pytest.raises(ValueError, match=r"ragged ids need a combiner"):
+        DynamicEmbedding(4, capacity=8)(tf.ragged.constant([[1, 2], [3]], tf.int64))
+
+
+# -- one process ------------------------------------------------------------------------
+def test_ids_get_rows_and_unknown_ids_read_zeros():
+    layer = DynamicEmbedding(4, capacity=8, num_partitions=1, seed=1)
+    first = layer(tf.constant([7, 2**62, -3, 7], tf.int64), training=True).numpy()
+    np.testing.assert_array_equal(first[0], first[3])
+    assert np.all(np.abs(first) <= 0.05) and np.all(first != 0)
+    assert sorted(rows_of(layer)) == [-3, 7, 2**62]
+    assert rows_of(layer)[7][2] == 2  # seen twice
+    np.testing.assert_array_equal(vector(layer, 7), first[0])
+    np.testing.assert_array_equal(vector(layer, 99), np.zeros(4))  # inference admits nothing
+    assert 99 not in rows_of(layer)
+
+
+def test_initial_values_depend_on_the_key_and_seed_only():
+    a = DynamicEmbedding(3, capacity=16, num_partitions=2, seed=5)
+    b = DynamicEmbedding(3, capacity=16, num_partitions=1, seed=5,
+                         embeddings_initializer="uniform")
+    train(a, [[1, 2, 3]])
+    train(b, [[3], [2], [1]])
+    for key in (1, 2, 3):
+        np.testing.assert_array_equal(vector(a, key), vector(b, key))
+    normal = DynamicEmbedding(2000, capacity=4, num_partitions=1,
+                              embeddings_initializer=keras.initializers.RandomNormal(0, 1))
+    values = normal(tf.constant([1], tf.int64), training=True).numpy()
+    assert abs(values.mean()) < 0.1 and 0.9 < values.std() < 1.1
+
+
+def test_string_ids_are_hashed_to_64_bit_keys():
+    layer = DynamicEmbedding(4, capacity=8, num_partitions=1)
+    out = layer(tf.constant(["a", "b", "a"]), training=True).numpy()
+    np.testing.assert_array_equal(out[0], out[2])
+    assert not np.array_equal(out[0], out[1])
+    fingerprint = tf.bitcast(tf.fingerprint(tf.constant(["a"])), tf.int64).numpy()[0]
+    assert fingerprint in rows_of(layer)
+
+
+def test_combiners_on_dense_and_ragged_ids():
+    layer = DynamicEmbedding(2, capacity=8, num_partitions=1, combiner="mean")
+    train(layer, [[[1, 2, 3]]])
+    single = DynamicEmbedding(2, capacity=8, num_partitions=1)
+    single.build()
+    single.set_weights(layer.get_weights())
+    one, two, three = (vector(single, k) for k in (1, 2, 3))
+    dense = layer(tf.constant([[1, 2], [3, 3]], tf.int64)).numpy()
+    np.testing.assert_allclose(dense, [(one + two) / 2, three], rtol=1e-6)
+    ragged = tf.ragged.constant([[1, 2, 3], [], [2]], tf.int64)
+    np.testing.assert_allclose(layer(ragged).numpy(), [(one + two + three) / 3, [0, 0], two],
+                               rtol=1e-6)
+    for combiner, expected in (("sum", one + two + three),
+                               ("sqrtn", (one + two + three) / np.sqrt(3))):
+        other = DynamicEmbedding(2, capacity=8, num_partitions=1, combiner=combiner)
+        other.build()
+        other.set_weights(layer.get_weights())
+        np.testing.assert_allclose(other(tf.ragged.constant([[1, 2, 3]], tf.int64)).numpy()[0],
+                                   expected, rtol=1e-6)
+    inputs = keras.Input((None,), dtype="int64", ragged=True)
+    assert tuple(DynamicEmbedding(2, capacity=8, combiner="sum")(inputs).shape) == (None, 2)
+    assert tuple(DynamicEmbedding(2, capacity=8)(keras.Input((3,), dtype="int64")).shape) == (
+        None, 3, 2)
+
+
+def test_min_count_admits_an_id_on_its_nth_occurrence():
+    layer = DynamicEmbedding(4, capacity=64, num_partitions=1, min_count=3)
+    train(layer, [[5], [5, 6]])
+    assert rows_of(layer) == {}
+    np.testing.assert_array_equal(vector(layer, 5), np.zeros(4))
+    out = layer(tf.constant([5, 7, 7, 7], tf.int64), training=True).numpy()  # 3rd of 5, 7 x3
+    assert sorted(rows_of(layer)) == [5, 7]
+    assert np.all(out != 0)
+    train(layer, [[6]])  # 2nd occurrence only
+    assert 6 not in rows_of(layer)
+    stats = layer.table_stats()
+    assert stats["admitted"] == 2 and stats["lookups"] == 8
+
+
+def test_the_admission_sketch_is_bounded_halved_and_the_simulators():
+    from simulator.table import TableModel
+
+    layer = DynamicEmbedding(2, capacity=256, num_partitions=1, min_count=2)
+    layer.build()
+    model = TableModel(layer.spec)
+    assert layer.sketch.shape == model.sketch.shape == (1, 4, 256)
+    for i in range(2):  # 200 singletons
+        batch = np.arange(1000 * i, 1000 * i + 100)
+        train(layer, [batch])
+        model.lookup(batch)
+    additions = layer.stats.numpy()[0, tables.SKETCH_ADDITIONS]
+    admitted = len(rows_of(layer))  # a singleton whose 4 counters all collided
+    assert additions + admitted == 200 and admitted <= 5
+    np.testing.assert_array_equal(layer.sketch.numpy(), model.sketch)
+    assert set(rows_of(layer)) == set(model.row_of) and additions == model.additions[0]
+    train(layer, [np.arange(5000, 5100)])  # 300 >= 256 additions: halved
+    model.lookup(np.arange(5000, 5100))
+    assert layer.stats.numpy()[0, tables.SKETCH_ADDITIONS] == 0
+    np.testing.assert_array_equal(layer.sketch.numpy(), model.sketch)
+    assert layer.sketch.numpy().max() <= 1
+
+
+def test_probability_admits_about_that_share():
+    tf.random.set_seed(3)
+    layer = DynamicEmbedding(2, capacity=1024, num_partitions=1, probability=0.25)
+    train(layer, [np.arange(800)])
+    assert 150 < len(rows_of(layer)) < 250
+
+
+def test_lru_evicts_the_least_recently_seen_and_reused_rows_start_fresh():
+    layer = DynamicEmbedding(2, capacity=4, num_partitions=1, seed=0)
+    optimizer = keras.optimizers.Adagrad(1.0, initial_accumulator_value=0.25)
+    train(layer, [[1, 2, 3, 4]])
+    optimizer.build(layer.trainable_variables)
+    (slot,) = optimizer.variables[2:]
+    # Train ids 1..4 so that their rows and slots move.
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(tf.constant([1, 2, 3, 4], tf.int64), training=True))
+    optimizer.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
+    assert not np.allclose(slot.numpy(), 0.25)
+    train(layer, [[2], [3], [4]])  # 1 is now the least recent
+    row_of_1 = rows_of(layer)[1][0]
+    out = layer(tf.constant([9], tf.int64), training=True).numpy()[0]
+    assert sorted(rows_of(layer)) == [2, 3, 4, 9]
+    assert rows_of(layer)[9][0] == row_of_1  # the row was reused...
+    fresh = DynamicEmbedding(2, capacity=4, num_partitions=1, seed=0)
+    np.testing.assert_array_equal(out, fresh(tf.constant([9], tf.int64), training=True)[0])
+    np.testing.assert_allclose(slot.numpy()[row_of_1], [0.25, 0.25])  # ...with a fresh slot
+    assert layer.table_stats()["evicted"] == 1
+    np.testing.assert_array_equal(vector(layer, 1), [0, 0])
+
+
+def test_lfu_evicts_the_least_frequently_seen():
+    layer = DynamicEmbedding(2, capacity=4, num_partitions=1, eviction="lfu")
+    train(layer, [[1, 1, 1, 2, 3, 3, 4, 4]])
+    train(layer, [[2], [9]])  # 1 seen thrice; 2, 3 and 4 twice, 2 the most recently
+    rows = rows_of(layer)
+    assert len(rows) == 4 and {1, 2, 9} <= set(rows)  # 3 or 4 went
+
+
+def test_eviction_frees_old_rows_of_a_large_partition_by_sampling():
+    layer = DynamicEmbedding(2, capacity=4096, num_partitions=1)
+    train(layer, [np.arange(i, i + 512) for i in range(0, 4096, 512)])  # 8 ages
+    train(layer, [np.arange(10_000, 10_032)])  # 32 rows to free: 512 sampled of 4096
+    rows = rows_of(layer)
+    freed = set(range(4096)) - set(rows)
+    assert 28 <= len(freed) <= 32  # two draws may pick one row: an id waits for its next
+    assert len(rows) == 4096 and len(set(range(10_000, 10_032)) & set(rows)) == len(freed)
+    assert max(freed) < 2048  # the oldest of 16 draws: in the older half
+    assert layer.table_stats()["evicted"] == len(freed)
+
+
+def test_a_batch_never_evicts_its_own_ids():
+    layer = DynamicEmbedding(2, capacity=4, num_partitions=1)
+    out = layer(tf.constant([1, 2, 3, 4, 5, 6], tf.int64), training=True).numpy()
+    assert sorted(rows_of(layer)) == [1, 2, 3, 4]
+    np.testing.assert_array_equal(out[4:], np.zeros((2, 2)))
+
+
+def test_steps_to_live_frees_the_rows_of_ids_not_seen_for_that_long():
+    layer = DynamicEmbedding(2, capacity=8, num_partitions=1, steps_to_live=3)
+    train(layer, [[1, 2], [2], [2], [2]])  # 1 last seen at step 0; now step 4
+    np.testing.assert_array_equal(vector(layer, 1), [0, 0])  # expired: no row to read
+    assert np.any(vector(layer, 2) != 0)
+    train(layer, [[1]])  # looked up again: a fresh row
+    assert rows_of(layer)[1][1] == 4 and rows_of(layer)[1][2] == 1
+    assert layer.table_stats()["evicted"] == 1
+
+
+def test_single_process_fit_reports_table_metrics_per_epoch():
+    layer = DynamicEmbedding(4, capacity=32, num_partitions=1, name="items")
+    model = id_model(layer)
+    model.compile(keras.optimizers.Adagrad(0.1), "mse")
+    ids = np.arange(64).reshape(-1, 1) % 40
+    history = model.fit(ids, np.ones((64, 1)), batch_size=16, epochs=2, verbose=0)
+    logs = history.history
+    assert logs["items_rows_used"] == [32, 32]
+    assert logs["items_admitted"][0] - logs["items_evicted"][0] == 32  # 40 ids, 32 rows
+    assert logs["items_evicted"][1] > 0 and 0 < logs["items_hit_rate"][1] < 1
+
+
+def test_weights_round_trip_and_rebuild_the_maps(tmp_path):
+    layer = DynamicEmbedding(3, capacity=16, num_partitions=2, min_count=2)
+    train(layer, [[1, 2, 3, 1, 2], [4, 5, 6, 3]])
+    model = id_model(layer)
+    copy = id_model(DynamicEmbedding(3, capacity=16, num_partitions=2, min_count=2))
+    copy.set_weights(model.get_weights())
+    for key in range(8):
+        np.testing.assert_array_equal(vector(copy.layers[1], key), vector(layer, key))
+    train(copy.layers[1], [[9, 9]])  # the free rows were rebuilt too
+    assert len(rows_of(copy.layers[1])) == len(rows_of(layer)) + 1
+    model.save_weights(tmp_path / "m.weights.h5")
+    other = id_model(DynamicEmbedding(3, capacity=16, num_partitions=2, min_count=2))
+    other.load_weights(tmp_path / "m.weights.h5")
+    assert rows_of(other.layers[1]) == rows_of(layer)
+    wrong = id_model(DynamicEmbedding(3, capacity=16, num_partitions=4, min_count=2))
+    with pytest.raises(ValueError, match=r"stats"):
+        wrong.load_weights(tmp_path / "m.weights.h5")
+    model.compile("adagrad", "mse")
+    model.train_on_batch(np.array([[1], [2]]), np.ones((2, 1)))
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert rows_of(loaded.layers[1]) == rows_of(layer)
+    assert loaded.layers[1].get_config() == layer.get_config()
+
+
+def test_model_checkpoint_holds_the_table(tmp_path):
+    layer = DynamicEmbedding(2, capacity=8, num_partitions=1, name="items")
+    model = id_model(layer)
+    model.compile(keras.optimizers.Adagrad(0.1), "mse")
+    checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "e{epoch}.weights.h5"),
+                                                 save_weights_only=True)
+    model.fit(np.arange(12).reshape(-1, 1), np.ones((12, 1)), batch_size=4, epochs=2,
+              verbose=0, callbacks=[checkpoint])
+    copy = id_model(DynamicEmbedding(2, capacity=8, num_partitions=1, name="items"))
+    copy.load_weights(tmp_path / "e2.weights.h5")
+    assert rows_of(copy.layers[1]) == rows_of(layer) and len(rows_of(layer)) == 8
+
+
+# -- under the strategy ---------------------------------------------------------------
+@pytest.fixture
+def lazy_strategy(make_strategy):
+    return make_strategy(sparse_updates="lazy")
+
+
+def test_rows_spread_over_the_ps_tasks_by_key_hash(lazy_strategy):
+    with lazy_strategy.scope():
+        layer = DynamicEmbedding(4, capacity=64, num_partitions=4, name="spread")
+        model = id_model(layer)
+    report = lazy_strategy.placement_report()
+    tasks = {r.name: r.ps_task for r in report if r.variable.startswith("spread/")}
+    assert tasks["spread/rows/part_0"] == 0 and tasks["spread/rows/part_1"] == 1
+    assert tasks["spread/state/part_1"] == 1
+    assert layer.rows.shard_sizes == [32, 32]
+    coordinator = kerasps.ClusterCoordinator(lazy_strategy)
+    keys = np.arange(100, 140)
+
+    @tf.function
+    def look(ids):
+        return lazy_strategy.run(lambda ids: layer(ids, training=True), args=(ids,))
+
+    coordinator.schedule(look, args=(tf.constant(keys, tf.int64),))
+    coordinator.join()
+    rows = rows_of(layer)
+    assert sorted(rows) == list(keys)
+    expected = layer.spec.ps_task_of(keys, 2)
+    for key, task in zip(keys, expected):
+        assert (rows[key][0] >= 32) == bool(task)  # shard 1 holds rows 32..63
+    records = [r for r in lazy_strategy.placement_report().tables if r.name == "spread"]
+    assert [(r.ps_task, r.capacity, r.rows_used, r.admitted) for r in records] == [
+        (task, 32, int((expected == task).sum()), int((expected == task).sum()))
+        for task in (0, 1)]
+    text = str(lazy_strategy.placement_report())
+    assert "dynamic tables:" in text and "hit_rate" in text
+    del model
+
+
+def test_two_workers_inserting_the_same_new_ids_at_once_make_one_row_each(lazy_strategy):
+    with lazy_strategy.scope():
+        layer = DynamicEmbedding(2, capacity=4096, num_partitions=2)
+        layer.build()
+    coordinator = kerasps.ClusterCoordinator(lazy_strategy)
+
+    @tf.function
+    def insert(ids):
+        return lazy_strategy.run(lambda ids: layer(ids, training=True), args=(ids,))
+
+    # Consecutive functions (on the two workers at once) insert the same new ids.
+    for step in range(300):
+        base = (step // 2) * 8
+        coordinator.schedule(insert, args=(tf.constant(np.arange(base, base + 8), tf.int64),))
+    coordinator.join()
+    rows = rows_of(layer)
+    assert sorted(rows) == list(range(150 * 8))
+    assert len({row for row, _, _ in rows.values()}) == len(rows)
+    assert sum(int(m.size().numpy()) for m in layer._table.maps()) == len(rows)
+    assert sum(rows[k][2] for k in rows) == 300 * 8  # each id counted twice
+    assert layer.table_stats()["admitted"] == len(rows)
+
+
+def sgd_steps(strategy, batches, labels):
+    """Trains `id_model` with SGD one batch at a time; returns (model, vectors)."""
+    scope = strategy.scope() if strategy is not None else tf.init_scope()
+    with scope:
+        layer = DynamicEmbedding(3, capacity=64, num_partitions=4, seed=7)
+        model = id_model(layer, dim_in=2)
+        optimizer = keras.optimizers.SGD(0.5)
+        optimizer.build(model.trainable_variables)
+
+    def step(ids, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(ids, training=True) - y) ** 2)
+        optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                        model.trainable_variables)
+
+    if strategy is None:
+        function = tf.function(step)
+        for ids, y in zip(batches, labels):
+            function(tf.constant(ids, tf.int64), tf.constant(y))
+    else:
+        coordinator = kerasps.ClusterCoordinator(strategy)
+
+        @tf.function
+        def scheduled(ids, y):
+            strategy.run(step, args=(ids, y))
+
+        for ids, y in zip(batches, labels):
+            coordinator.schedule(scheduled, args=(tf.constant(ids, tf.int64), tf.constant(y)))
+            coordinator.join()
+    return model, {k: vector(layer, k) for k in range(12)}
+
+
+def test_sparse_training_on_two_ps_tasks_equals_one_process(make_strategy):
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 12, size=(4, 2)) for _ in range(8)]
+    labels = [rng.normal(size=(4, 1)).astype("float32") for _ in range(8)]
+    _, expected = sgd_steps(None, batches, labels)
+    model, got = sgd_steps(make_strategy(), batches, labels)
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6)
+    assert any(np.any(v != 0) for v in got.values())
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_fit_trains_with_eviction_and_logs_the_table(make_strategy, mode):
+    strategy = make_strategy(sparse_updates="lazy", mode=mode)
+    with strategy.scope():
+        layer = DynamicEmbedding(4, capacity=128, num_partitions=2, name="items")
+        model = id_model(layer)
+        model.compile(keras.optimizers.Adam(0.05), "binary_crossentropy",
+                      steps_per_execution=5 if mode == "async" else 1)
+    rng = np.random.default_rng(1)
+
+    def dataset_fn(context):
+        ids = rng.integers(0, 400, size=(4096, 1))
+        labels = (ids % 2).astype("float32")
+        return tf.data.Dataset.from_tensor_slices((ids, labels)).batch(32).repeat()
+
+    history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=2, steps_per_epoch=40,
+                        verbose=0)
+    logs = history.history
+    assert logs["items_rows_used"][-1] == 128
+    assert logs["items_admitted"][0] >= 128 and logs["items_evicted"][1] > 0
+    assert 0.1 < logs["items_hit_rate"][1] < 0.6
+    assert logs["loss"][1] < logs["loss"][0]
+    rows = rows_of(layer)
+    assert len(rows) == 128 and len({r for r, _, _ in rows.values()}) == 128
+    stats = layer.table_stats()
+    assert stats["admitted"] - stats["evicted"] == 128
+
+
+# -- state across layouts -------------------------------------------------------------
+def trained_on_two_ps(strategy):
+    with strategy.scope():
+        layer = DynamicEmbedding(3, capacity=32, num_partitions=2, min_count=2, name="t")
+        model = id_model(layer)
+        model.compile(keras.optimizers.Adagrad(0.3), "mse")
+    ids = np.array([[i % 23] for i in range(256)])
+    model.fit(ids, np.ones((256, 1)), batch_size=16, epochs=1, verbose=0,
+              steps_per_epoch=16)
+    return model, layer
+
+
+def test_a_checkpoint_restores_exactly_into_another_number_of_ps_tasks(tmp_path, strategy):
+    model, layer = trained_on_two_ps(strategy)
+    slot_before = model.optimizer.variables
+    path = str(tmp_path / "two.weights.h5")
+    model.save_weights(path)
+    single = id_model(DynamicEmbedding(3, capacity=32, num_partitions=2, min_count=2,
+                                       name="t"))
+    single.compile(keras.optimizers.Adagrad(0.3), "mse")
+    single.optimizer.build(single.trainable_variables)
+    single.load_weights(path)
+    target = single.layers[1]
+    assert rows_of(target) == rows_of(layer)
+    for key in range(30):
+        np.testing.assert_array_equal(vector(target, key), vector(layer, key))
+    np.testing.assert_array_equal(target.sketch.numpy(), layer.sketch.numpy())
+    whole_slots = [v for v in kerasps.variables.logical_variables(slot_before)]
+    accumulator = [v for v in whole_slots if "rows" in v.path][0]
+    single_accumulator = [v for v in single.optimizer.variables if "rows" in v.path][0]
+    np.testing.assert_array_equal(single_accumulator.numpy(), accumulator.numpy())
+    # ...and back into two ps tasks, through a tf.train.Checkpoint.
+    prefix = tf.train.Checkpoint(model=single, optimizer=single.optimizer).write(
+        str(tmp_path / "one"))
+    with strategy.scope():
+        again = id_model(DynamicEmbedding(3, capacity=32, num_partitions=2, min_count=2,
+                                          name="t"))
+        again.compile(keras.optimizers.Adagrad(0.3), "mse")
+        again.optimizer.build(again.trainable_variables)
+    tf.train.Checkpoint(model=again, optimizer=again.optimizer).read(prefix).expect_partial()
+    assert rows_of(again.layers[1]) == rows_of(layer)
+    for key in range(30):
+        np.testing.assert_array_equal(vector(again.layers[1], key), vector(layer, key))
+    train(again.layers[1], [[500, 501, 500, 501]])  # its maps and free rows work
+    assert {500, 501} <= set(rows_of(again.layers[1]))
+
+
+def test_export_serves_without_kerasps_and_unknown_ids_read_zeros(tmp_path, strategy):
+    model, layer = trained_on_two_ps(strategy)
+    model.export(str(tmp_path / "served"), verbose=False)
+    expected = model.predict(np.array([[3], [999]]), verbose=0)
+    script = textwrap.dedent(f"""
+        import sys, numpy as np, tensorflow as tf
+        served = tf.saved_model.load({str(tmp_path / "served")!r})
+        print(served.serve(tf.constant([[3], [999]], tf.int64)).numpy().ravel().tolist())
+        assert "kerasps" not in sys.modules
+    """)
+    env = {**os.environ, "PYTHONPATH": ""}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=env, timeout=300, check=True)
+    served = np.array(eval(result.stdout.strip().splitlines()[-1]))
+    np.testing.assert_allclose(served, expected.ravel(), rtol=1e-5)
+    bias = model.layers[-1].bias.numpy()[0]
+    np.testing.assert_allclose(served[1], bias, rtol=1e-5)  # 999: the zero vector
+
+
+def test_get_and_set_weights_move_between_layouts(strategy):
+    model, layer = trained_on_two_ps(strategy)
+    weights = layer.get_weights()
+    assert [w.shape for w in weights] == [(32, 3), (32, 3), (2, 8), (2, 4, 64)]
+    single = DynamicEmbedding(3, capacity=32, num_partitions=2, min_count=2)
+    single.build()
+    single.set_weights(weights)
+    assert rows_of(single) == rows_of(layer)
+    with strategy.scope():
+        back = DynamicEmbedding(3, capacity=32, num_partitions=2, min_count=2)
+        back.build()
+    back.set_weights(single.get_weights())
+    assert rows_of(back) == rows_of(layer)
+    assert back.rows.num_shards == 2
+
+
+# -- a ps task killed mid-fit (real processes) ----------------------------------------
+TABLE_RECOVERY_CHIEF = """
+    import itertools, sys
+    import keras, numpy as np, tensorflow as tf, kerasps
+    from kerasps import tables
+
+    def say(*words):
+        print(*words, flush=True)
+
+    strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config(),
+                                               sparse_updates="lazy")
+    with strategy.scope():
+        inputs = keras.Input((1,), dtype="int64")
+        layer = kerasps.layers.DynamicEmbedding(8, capacity=256, num_partitions=4,
+                                                name="items")
+        x = keras.layers.Flatten()(layer(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(x))
+        model.compile(keras.optimizers.Adam(0.05), "binary_crossentropy")
+
+    def dataset_fn(context):
+        ids = tf.random.stateless_uniform((4096, 1), [1, context.input_pipeline_id], 0, 600,
+                                          tf.int64)
+        return tf.data.Dataset.from_tensor_slices((ids, tf.cast(ids % 2, tf.float32))).repeat(
+            ).batch(16)
+
+    trained = itertools.count(1)
+    progress = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: say("train batch", next(trained)))
+    backup = keras.callbacks.BackupAndRestore(sys.argv[1], save_freq=10)
+    history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=4, steps_per_epoch=50,
+                        verbose=0, callbacks=[progress, backup])
+    say("iterations", int(model.optimizer.iterations.numpy()))
+    say("reexecuted", sum(history.history["reexecuted_steps"]))
+    say("rolled back", sum(history.history["rolled_back_steps"]))
+    state = layer.state.numpy()
+    used = np.flatnonzero(state[:, tables.LAST_SEEN] >= 0)
+    keys = state[used, tables.KEY]
+    sizes = [int(m.size().numpy()) for m in layer._table.maps()]
+    vectors = layer(tf.constant(keys, tf.int64)).numpy()
+    stats = layer.table_stats()
+    say("rows", len(used), "maps", sum(sizes), "distinct", len(set(keys.tolist())))
+    say("served", bool(np.array_equal(vectors, layer.rows.numpy()[used])))
+    say("balance", stats["admitted"] - stats["evicted"] == len(used))
+    say("hit rate", history.history["items_hit_rate"][-1])
+"""
+
+
+@pytest.mark.slow
+def test_a_ps_killed_mid_fit_gets_its_table_back_from_the_backup(tmp_path):
+    from tests.launched import launch
+
+    job = launch(tmp_path, TABLE_RECOVERY_CHIEF, "--workers", "2", "--ps", "2",
+                 "--max-restarts", "2", args=[str(tmp_path / "backup")])
+    try:
+        job.wait_for(r"\[chief 0\] train batch 75$")
+        job.kill("ps 1")
+        job.wait_for(r"\[launcher\] ps 1 exited with signal 9 \(SIGKILL\); restart 1 of 2")
+        iterations = int(job.wait_for(r"\[chief 0\] iterations (\d+)").group(1))
+        reexecuted = int(job.wait_for(r"\[chief 0\] reexecuted (\d+)").group(1))
+        rolled_back = int(job.wait_for(r"\[chief 0\] rolled back (\d+)").group(1))
+        rows = job.wait_for(r"\[chief 0\] rows (\d+) maps (\d+) distinct (\d+)")
+        assert rows.group(1) == rows.group(2) == rows.group(3) == "256"
+        job.wait_for(r"\[chief 0\] served True")
+        job.wait_for(r"\[chief 0\] balance True")
+        hit_rate = float(job.wait_for(r"\[chief 0\] hit rate (\S+)").group(1))
+        assert job.finish() == 0, job.output()
+        assert iterations == 200 + reexecuted and 0 < rolled_back <= 10
+        assert 0.3 < hit_rate < 0.6  # 256 of 600 ids: the table kept working
+        job.wait_for(r"lost their variables at epoch 2 ")
+    finally:
+        job.close()
+
+
+def test_the_simulators_table_model_predicts_the_layers_hit_rate_and_churn():
+    from simulator.idstream import ZipfStream
+    from simulator.table import predict_load
+
+    stream = ZipfStream(examples=150_000, distinct=100_000, window=25_000, chunk=10_000)
+    arguments = dict(capacity=2000, output_dim=4, num_partitions=4, min_count=2)
+    predicted = predict_load(tables.TableSpec(**arguments), stream.chunks(), 500, num_ps=2,
+                             warmup_steps=100)
+    layer = DynamicEmbedding(**arguments)
+    look = tf.function(lambda ids: layer(ids, training=True))
+    ids = np.concatenate(list(stream.chunks()))
+    for step in range(len(ids) // 500):
+        if step == 100:
+            start = layer.table_stats()
+        look(tf.constant(ids[step * 500:(step + 1) * 500]))
+    end = layer.table_stats()
+    steps = len(ids) // 500 - 100
+    measured = {k: end[k] - start[k] for k in ("lookups", "hits", "admitted", "evicted")}
+    assert predicted.hit_rate == pytest.approx(measured["hits"] / measured["lookups"], abs=0.01)
+    assert predicted.admitted_per_step == pytest.approx(measured["admitted"] / steps, rel=0.1)
+    assert predicted.evicted_per_step == pytest.approx(measured["evicted"] / steps, rel=0.1)
