@@ -6,6 +6,7 @@ visit, so after `epochs` epochs every row reads `-epochs` if and only if every
 example was read once per epoch.
 """
 
+import os
 
 import keras
 import numpy as np
@@ -432,3 +433,58 @@ def test_the_data_service_runs_in_the_coordinator_process():
     assert service is data_service.DataService.in_process()
     assert service.address.startswith("grpc://localhost:")
 
+
+
+VISITS_UNDER_LOAD = """
+import sys
+import keras, numpy as np, tensorflow as tf, kerasps
+
+ROWS, BATCH, EPOCHS = 4096, 64, 3
+strategy = kerasps.ParameterServerStrategy(
+    kerasps.cluster.in_process(num_workers=4, num_ps=2),
+    variable_partitioner=kerasps.partitioners.FixedShardsPartitioner(2))
+with strategy.scope():
+    model = keras.Sequential([keras.Input((1,), dtype="int32"),
+                              keras.layers.Embedding(ROWS, 1, embeddings_initializer="zeros")])
+    model.compile(keras.optimizers.SGD(1.0), loss=lambda y, p: tf.reduce_sum(p))
+ids = np.arange(ROWS, dtype="int32").reshape(-1, 1)
+dataset = tf.data.Dataset.from_tensor_slices((ids, np.zeros(ROWS, "float32"))).batch(BATCH)
+for run in range(int(sys.argv[1])):
+    model.layers[0].embeddings.assign(np.zeros((ROWS, 1), "float32"))
+    model.fit(dataset, epochs=EPOCHS, verbose=0)  # exactly once, the default
+    visits = -np.round(model.layers[0].embeddings.numpy()[:, 0]).astype(int)
+    print("RUN", run, int((visits < EPOCHS).sum()), int((visits > EPOCHS).sum()), flush=True)
+"""
+
+
+@pytest.mark.stress
+def test_exactly_once_epochs_lose_nothing_under_cpu_load():
+    """Issue 17, defect 3, as it was seen: a finite dataset given to `fit` on a loaded
+    machine missed a batch. 60 runs of 3 epochs on 4 workers with both cores busy missed
+    a batch in 3 runs before the fix (in about 1 epoch in 60)."""
+    import multiprocessing
+    import subprocess
+    import sys
+
+    burners = [multiprocessing.Process(target=_burn, daemon=True)
+               for _ in range(os.cpu_count() or 2)]
+    for burner in burners:
+        burner.start()
+    try:
+        result = subprocess.run([sys.executable, "-c", VISITS_UNDER_LOAD, "60"],
+                                capture_output=True, text=True, timeout=1800,
+                                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    finally:
+        for burner in burners:
+            burner.kill()
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RUN")]
+    assert len(runs) == 60
+    bad = [(run, missed, repeated) for run, missed, repeated in runs
+           if (missed, repeated) != ("0", "0")]
+    assert not bad, f"(run, ids missed, ids seen too often): {bad}"
+
+
+def _burn():
+    while True:
+        pass
