@@ -2,6 +2,7 @@
 worker failures inside `fit`, `evaluate` and custom loops (SIGKILL, as a machine
 loss would)."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -515,9 +516,34 @@ def test_a_chief_failing_beyond_its_budget_ends_the_job_with_its_status(tmp_path
         first, again = configs()
         assert first == again  # the same address
         assert len(job.pids["chief 0"]) == 2
+        started = [line for line in job.lines if line.startswith("[launcher] started chief 0")]
+        assert started[1].endswith(" in the warm standby")
         _assert_nothing_left(job, first["cluster"], processes=4)
     finally:
         job.close()
+
+
+STANDBY_SCRIPT = """
+    import json, os, sys
+    print(json.dumps({"name": __name__, "argv": sys.argv, "path": sys.path[0],
+                      "config": os.environ.get("TF_CONFIG"), "stdin": sys.stdin.read(),
+                      "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}), flush=True)
+    raise SystemExit(int(sys.argv[1]))
+"""
+
+
+def test_the_standby_runs_a_script_as_python_does_in_the_tasks_environment(tmp_path):
+    script = tmp_path / "job" / "chief.py"
+    script.parent.mkdir()
+    script.write_text(textwrap.dedent(STANDBY_SCRIPT))
+    env = {**os.environ, "TF_CONFIG": '{"task": {"type": "chief"}}', "CUDA_VISIBLE_DEVICES": "3"}
+    task = json.dumps({"argv": [str(script), "7"], "env": env})
+    result = subprocess.run([sys.executable, "-m", "kerasps.standby"], input=task + "\n",
+                            capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert result.returncode == 7, result.stderr[-3000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == {
+        "name": "__main__", "argv": [str(script), "7"], "path": str(script.parent),
+        "config": env["TF_CONFIG"], "stdin": "", "gpus": "3"}
 
 
 ELASTIC_FAILING_CHIEF = """
@@ -557,6 +583,30 @@ def test_a_restarted_chief_of_an_elastic_pool_finds_every_declared_worker_up(tmp
         assert job.finish() == 0, job.output()
     finally:
         job.close()
+
+
+def _benchmark(name):
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_short_chaos_run_finishes_with_every_step(tmp_path):
+    """`benchmarks/chaos.py` in short: a worker, a ps task and the chief SIGKILLed in turn,
+    one every 6-8 s, under `kerasps launch`."""
+    chaos = _benchmark("chaos")
+    config = chaos.Config(epochs=2, steps=1500, kill_every=(6.0, 8.0), max_kills=3)
+    result = chaos.run_job(str(tmp_path), config, seed=0)
+    output = "\n".join(line for _, line in result["output"][-150:])
+    assert [kill["kind"] for kill in result["kills"]] == ["worker", "ps", "chief"], output
+    assert result["code"] == 0, output
+    assert 3000 <= result["applied"] <= 3000 + 3 * chaos.EXTRA_PER_KILL
+    assert result["finished"]
+    for kill in result["kills"]:
+        assert any(line.startswith(f"[launcher] {kill['task']} exited with signal 9 (SIGKILL); "
+                                   "restart 1 of") for _, line in result["launcher"])
 
 
 # TensorFlow's own fault-tolerance scenarios (`fault_tolerance_test_base.py`), on a custom
