@@ -194,8 +194,8 @@ def run_job(workdir: str, config: Config, seed: int | None) -> dict:
             kinds = itertools.cycle(KINDS)
             next_kill = time.time() + rng.uniform(*config.kill_every)
             while config.max_kills is None or len(kills) < config.max_kills:
-                _wait(lambda: time.time() >= next_kill or finished(), started + DEADLINE_S,
-                      job)
+                _wait(lambda at=next_kill: time.time() >= at or finished(),
+                      started + DEADLINE_S, job)
                 if finished() or job.process.poll() is not None or time.time() > (
                         started + DEADLINE_S):
                     break
@@ -283,7 +283,7 @@ def kill_costs(run: dict, rate: float) -> list[dict]:
                 resumed = (restored_at, restored)
         else:
             serving = _after(run["launcher"], t0,
-                             lambda v: v.startswith(f"[{kill['task']}] kerasps serve: "))
+                             lambda v, task=kill["task"]: v.startswith(f"[{task}] kerasps serve: "))
             cost["process_s"] = serving[0] - t0 if serving else None
             if kill["kind"] == "ps":
                 answered = _after(logs, t0, lambda v: re.fullmatch(
@@ -295,16 +295,26 @@ def kill_costs(run: dict, rate: float) -> list[dict]:
                                 restore_s=restored[0] - answered[0])
                     resumed = (restored[0], back[1] if back else v0)
             else:
-                joined = _after(logs, t0, lambda v: v.startswith(f"{kill['task']} joined"))
+                joined = _after(logs, t0,
+                                lambda v, task=kill["task"]: v.startswith(f"{task} joined"))
                 if serving and joined:
                     cost["connect_s"] = joined[0] - serving[0]
                 cost["back_s"] = joined[0] - t0 if joined else None
         if resumed is not None:
-            first = _after(readings, resumed[0], lambda v: v > resumed[1])
+            first = _after(readings, resumed[0], lambda v, at=resumed[1]: v > at)
             cost["first_step_s"] = first[0] - resumed[0] if first else None
-            cost["rerun_s"] = max(0, v0 - resumed[1]) / rate
             cost["rerun_steps"] = max(0, v0 - resumed[1])
+            cost["rerun_s"] = cost["rerun_steps"] / rate
             cost["recovery_s"] = (first[0] - t0) if first else None  # to the first new step
+            if first:  # what the slower steps after the first cost (the rest of lost_s)
+                cost["after_s"] = cost["lost_s"] - cost["recovery_s"] - cost["rerun_s"]
+            cost["outage_s"] = max(0.0, cost["lost_s"] - cost["rerun_s"])
+        elif kill["kind"] == "worker":
+            # One worker of WORKERS away for D seconds costs D / WORKERS of training.
+            if cost.get("back_s") is not None:
+                cost["recovery_s"] = cost["back_s"]
+                cost["after_s"] = cost["lost_s"] - cost["back_s"] / WORKERS
+            cost["outage_s"] = max(0.0, cost["lost_s"] * WORKERS)
         costs.append(cost)
     return costs
 
@@ -333,23 +343,24 @@ def analyse(results: list[dict]) -> dict:
                "goodput": fault_free / run["wall_s"],
                "costs": kill_costs(run, rate) if run["events"]["it"] else []}
         rows.append(row)
-    recovery = {}  # kind -> median seconds out (the simulator's downtime)
-    for kind in KINDS:
-        key = "back_s" if kind == "worker" else "recovery_s"
-        recovery[kind] = _median([c.get(key) for row in rows for c in row["costs"]
-                                  if c["kind"] == kind])
+    # The simulator's downtime per kind of kill, two ways: the median time from the kill to
+    # the first step after it (a worker: to its return), or the median time the kill cost,
+    # without the steps run again (which the simulator replays itself).
+    recovery = {model: {kind: _median([c.get(key) for row in rows for c in row["costs"]
+                                       if c["kind"] == kind]) for kind in KINDS}
+                for model, key in (("first_step", "recovery_s"), ("lost", "outage_s"))}
     for row in rows:
         run = row["run"]
-        if not run["finished"] or None in recovery.values():
-            row["predicted"] = None
-            continue
-        train_start = run["started"] + run["train_start"]
+        train_start = run["started"] + (run["train_start"] or 0.0)
         schedule = [(k["time"] - train_start, k["kind"], int(k["task"].split()[1]))
                     for k in run["kills"]]
-        row["predicted"] = predict_goodput(
-            recovery, schedule, row["fault_free_s"], training_time=row["training_s"],
-            steps=run["requested"], workers=WORKERS, ps=PS, checkpoint_every=SAVE_FREQ,
-            seed=run["seed"])
+        for model, times in recovery.items():
+            known = {kind: t for kind, t in times.items() if t is not None}
+            row[model] = predict_goodput(
+                known, schedule, row["fault_free_s"], training_time=row["training_s"],
+                steps=run["requested"], workers=WORKERS, ps=PS, checkpoint_every=SAVE_FREQ,
+                seed=run["seed"]) if run["finished"] and all(
+                    kind in known for _, kind, _ in schedule) else None
     return {"rows": rows, "recovery": recovery}
 
 
@@ -357,12 +368,22 @@ def _fmt(value, spec=".1f"):
     return "" if value is None else format(value, spec)
 
 
+def _overall(rows, key):
+    """Goodput over several runs: their fault-free wall time over their wall time."""
+    rows = [r for r in rows if r[key] is not None]
+    if not rows:
+        return None
+    walls = [r["fault_free_s"] / r[key] for r in rows]
+    return sum(r["fault_free_s"] for r in rows) / sum(walls)
+
+
 def report(results: list[dict]) -> str:
     analysis = analyse(results)
     rows = analysis["rows"]
     lines = ["| run | finished | steps applied / requested | kills (worker, ps, chief) | "
-             "wall s (fault-free) | wall s (chaos) | goodput | simulator |",
-             "|---:|---|---|---|---:|---:|---:|---:|"]
+             "wall s (fault-free) | wall s (chaos) | goodput | simulator, recovery = to "
+             "first step | simulator, recovery = lost time |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|"]
     for n, row in enumerate(rows, 1):
         run = row["run"]
         kinds = [k["kind"] for k in run["kills"]]
@@ -371,31 +392,30 @@ def report(results: list[dict]) -> str:
             f"{run['applied'] if run['applied'] is not None else 'n/a'} / {run['requested']} | "
             f"{len(kinds)} ({kinds.count('worker')}, {kinds.count('ps')}, "
             f"{kinds.count('chief')}) | {row['fault_free_s']:.1f} | {run['wall_s']:.1f} | "
-            f"{row['goodput']:.3f} | {_fmt(row['predicted'], '.3f')} |")
+            f"{row['goodput']:.3f} | {_fmt(row['first_step'], '.3f')} | "
+            f"{_fmt(row['lost'], '.3f')} |")
     done = [row for row in rows if row["run"]["finished"]]
     if rows:
         measured = sum(r["fault_free_s"] for r in rows) / sum(r["run"]["wall_s"] for r in rows)
-        predicted = [r for r in done if r["predicted"] is not None]
-        simulated = (sum(r["fault_free_s"] for r in predicted)
-                     / sum(r["fault_free_s"] / r["predicted"] for r in predicted)
-                     if predicted else None)
         kills = sum(len(r["run"]["kills"]) for r in rows)
-        chaos_wall = sum(r["run"]["wall_s"] for r in rows)
+        training = sum(r["run"]["train_end"] - r["run"]["train_start"] for r in rows)
         extra = [(r["run"]["applied"] - r["run"]["requested"], len(r["run"]["kills"]))
                  for r in done]
-        max_extra = max((e for e, _ in extra), default=0)
+        worst = max((e / max(k, 1) for e, k in extra), default=0)
         lines.append(
-            f"| all | {len(done)}/{len(rows)} | extra steps {sum(e for e, _ in extra)} over "
-            f"{sum(k for _, k in extra)} kills (at most {max_extra} in a run; bound "
-            f"{EXTRA_PER_KILL} per kill) | {kills} "
-            f"(one per {chaos_wall / max(kills, 1):.0f} s) | "
-            f"{sum(r['fault_free_s'] for r in rows):.0f} | {chaos_wall:.0f} | "
-            f"**{measured:.3f}** | {_fmt(simulated, '.3f')} |")
+            f"| all | {len(done)}/{len(rows)} | +{sum(e for e, _ in extra)} over "
+            f"{sum(k for _, k in extra)} kills (at most {worst:.1f} per kill in a run; bound "
+            f"{EXTRA_PER_KILL}) | {kills} (one per {training / max(kills, 1):.0f} s of "
+            f"training) | {sum(r['fault_free_s'] for r in rows):.0f} | "
+            f"{sum(r['run']['wall_s'] for r in rows):.0f} | **{measured:.3f}** | "
+            f"{_fmt(_overall(done, 'first_step'), '.3f')} | "
+            f"{_fmt(_overall(done, 'lost'), '.3f')} |")
     costs = [c for row in rows for c in row["costs"]]
     lines += ["", "| kill | count | lost s per kill (median) | lost s (total) | "
               "process start s | TF connect s | build + restore s | first step s | "
-              "re-run s (steps) | recovery s (simulator input) |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "re-run s (steps) | slower steps after s | to first step s | lost without "
+              "re-run s |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for kind in KINDS:
         mine = [c for c in costs if c["kind"] == kind]
         if not mine:
@@ -410,7 +430,8 @@ def report(results: list[dict]) -> str:
             f"{sum(c['lost_s'] for c in mine):.1f} | {med('process_s')} | {med('connect_s')} | "
             f"{med('restore_s')} | {med('first_step_s')} | "
             f"{med('rerun_s')}{'' if rerun is None else f' ({rerun:.0f})'} | "
-            f"{_fmt(analysis['recovery'][kind])} |")
+            f"{med('after_s')} | {_fmt(analysis['recovery']['first_step'][kind])} | "
+            f"{_fmt(analysis['recovery']['lost'][kind])} |")
     if rows:
         lost = sum(c["lost_s"] for c in costs)
         delta = sum(r["run"]["wall_s"] - r["fault_free_s"] for r in rows)
