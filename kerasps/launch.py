@@ -13,6 +13,10 @@ restarts a failed process group and Kubernetes a failed pod: the new chief
 connects to the servers that kept running, and a `fit` with
 `keras.callbacks.BackupAndRestore` resumes from its latest backup, inside the
 epoch. The chief's exit with status 0, Ctrl-C or SIGTERM ends every process.
+A restarted (or rejoining) task starts in a warm standby interpreter that has
+already imported TensorFlow and Keras (`kerasps.standby`): the agent keeps one
+beside the job and starts the next after each restart, so a restart no longer
+waits seconds for an import.
 
 With `--evaluator`, one more process runs the same script as task `evaluator 0`
 (its `TF_CONFIG` names the training cluster without it, as TensorFlow's does), for

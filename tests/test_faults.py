@@ -469,6 +469,8 @@ def test_chief_killed_mid_fit_is_restarted_and_resumes_inside_the_epoch(tmp_path
         # ... on the servers that served the old one (none was restarted) ...
         assert {task: job.pids[task] for task in servers} == {
             task: [pid] for task, pid in servers.items()}
+        address = job.wait_for(r"\[launcher\] started ps 0 at (\S+) ").group(1)
+        job.wait_for(rf"\[ps 0\] kerasps serve: ps 0 serving at {address}$")
         assert len(job.pids["chief 0"]) == 2
         # ... and runs the steps the backup had not recorded, each once. At-least-once: the
         # backup holds its recorded steps and those applied before their results were
