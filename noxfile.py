@@ -47,12 +47,13 @@ def stress(session):
 @nox.session(python=PYTHON)
 def benchmarks(session):
     """The figures in the README: kerasps vs tf_keras throughput, embedding scaling, faults,
-    simulator speed and calibration."""
+    the chaos soak, simulator speed and calibration."""
     session.install(".[bench]")
     session.run("python", "benchmarks/fit_throughput.py", *session.posargs)
     session.run("python", "benchmarks/embedding_scaling.py")
     session.run("python", "benchmarks/embedding_scaling.py", "--scale")
     session.run("python", "benchmarks/faults.py")
+    session.run("python", "benchmarks/chaos.py")
     session.run("python", "benchmarks/stragglers.py")
     session.run("python", "benchmarks/input_throughput.py")
     session.run("python", "benchmarks/simulator_speed.py")

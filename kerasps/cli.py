@@ -57,8 +57,9 @@ def parser() -> argparse.ArgumentParser:
         "launch", help="run a script as the chief of a local multi-process cluster",
         description="Starts one process per task on this machine (workers and ps tasks as "
                     "`kerasps serve`, the chief as `python script.py args`), each with its own "
-                    "TF_CONFIG on loopback ports, restarts failed workers and ps tasks on the "
-                    "same address, and ends every process when the chief exits or on Ctrl-C. "
+                    "TF_CONFIG on loopback ports, restarts failed tasks (the chief included) on "
+                    "the same address, and ends every process when the chief exits with "
+                    "status 0 or on Ctrl-C. "
                     "With --emit k8s, writes Kubernetes manifests for the same job instead.")
     launch.add_argument("--workers", type=_worker_range, default=(2, 2),
                         help="worker tasks: N, or MIN:MAX for an elastic pool of MAX declared "
@@ -67,7 +68,8 @@ def parser() -> argparse.ArgumentParser:
                              "resizes it (default 2)")
     launch.add_argument("--ps", type=_positive, default=1, help="ps tasks (default 1)")
     launch.add_argument("--max-restarts", type=_non_negative, default=3,
-                        help="restarts allowed per worker, ps or evaluator task (default 3)")
+                        help="restarts allowed per task: chief, worker, ps or evaluator "
+                             "(default 3)")
     launch.add_argument("--gpus-per-worker", type=_positive, default=None,
                         help="GPUs per worker, split through CUDA_VISIBLE_DEVICES")
     launch.add_argument("--evaluator", action="store_true",

@@ -413,4 +413,6 @@ def serve(tf_config: str | None = None):
     _enable_fail_fast()
     server = start_server(tf.train.ClusterSpec(parsed["training_cluster"]), task_type,
                           parsed["task_index"])
+    print(f"kerasps serve: {task_type} {parsed['task_index']} serving at "
+          f"{parsed['training_cluster'][task_type][parsed['task_index']]}", flush=True)
     server.join()

@@ -6,9 +6,17 @@ starts the worker and ps tasks as `kerasps serve` processes and the chief as
 `python train.py ...`, each with its own `TF_CONFIG` on loopback ports, so the
 script is the one a platform that sets `TF_CONFIG` (Kubernetes TFJob and the
 like) would run. Output is prefixed with the task (`[worker 1] ...`). The
-agent watches every process: a worker or ps task that exits is started again
-on the same address while its restart budget lasts (`kerasps.restarts` holds
-that policy); the chief's exit, Ctrl-C or SIGTERM ends every process.
+agent watches every process: a task that fails (a signal, or a non-zero exit
+status) is started again on the same address while its restart budget lasts
+(`kerasps.restarts` holds that policy). That includes the chief, as torchrun
+restarts a failed process group and Kubernetes a failed pod: the new chief
+connects to the servers that kept running, and a `fit` with
+`keras.callbacks.BackupAndRestore` resumes from its latest backup, inside the
+epoch. The chief's exit with status 0, Ctrl-C or SIGTERM ends every process.
+A restarted (or rejoining) task starts in a warm standby interpreter that has
+already imported TensorFlow and Keras (`kerasps.standby`): the agent keeps one
+beside the job and starts the next after each restart, so a restart no longer
+waits seconds for an import.
 
 With `--evaluator`, one more process runs the same script as task `evaluator 0`
 (its `TF_CONFIG` names the training cluster without it, as TensorFlow's does), for
@@ -17,19 +25,21 @@ fails and leaves it down once it exits with status 0. When the chief exits with
 status 0 the workers and ps tasks are stopped, the evaluator is told that training
 finished (through the file named by `$KERASPS_TRAINING_FINISHED`) and the job ends
 when it has exited, so that it evaluates the last checkpoint; an evaluator that
-never stops keeps the job running until Ctrl-C. Any other exit of the chief ends
-the evaluator with the rest.
+never stops keeps the job running until Ctrl-C.
 
-When a budget is spent the job ends: the launcher tells the chief why (the
-chief's `kerasps.cluster.from_tf_config()` turns that into a
+When a budget is spent the job ends. A server's: the launcher tells the chief
+why (the chief's `kerasps.cluster.from_tf_config()` turns that into a
 `kerasps.launch.TaskFailedError` naming the task and its exit code), stops
-every process and exits with status 1.
+every process and exits with status 1. The chief's own: the launcher stops
+every process and exits with the chief's last status (its exit code, or
+128 + N after signal N).
 
 With `--workers MIN:MAX` the worker pool is elastic: the cluster declares MAX
 worker addresses and all of them start, because TensorFlow's coordinator
 connects to every declared task once; as soon as the chief's strategy has
 connected, the launcher stops workers down to the wanted count (MIN at
-first). `request_workers(n)`, from the chief or any task (or writing `n` to
+first; a restarted chief connects again, so they all start again until it
+has). `request_workers(n)`, from the chief or any task (or writing `n` to
 the file named by `$KERASPS_WORKERS_WANTED`), sets the wanted count: the
 launcher starts stopped workers again on their addresses (they join) or
 stops the highest-numbered ones with SIGTERM (they leave). A worker the
@@ -72,6 +82,7 @@ WORKERS_WANTED_ENV = "KERASPS_WORKERS_WANTED"
 CONNECTED_ENV = "KERASPS_CONNECTED"
 _REPORT_FILE, _FINISHED_FILE = "report.txt", "training_finished"  # in the launcher's scratch dir
 _WANTED_FILE, _CONNECTED_FILE = "workers_wanted", "connected"
+_STANDBY = "standby"  # the label of a standby interpreter's output until it gets a task
 # Seconds a process gets to exit after SIGTERM before it is killed.
 GRACE_PERIOD = 10.0
 POLL_INTERVAL = 0.05
@@ -101,7 +112,7 @@ class LaunchSpec:
         program: the chief's script and its arguments (`("train.py", "--epochs", "5")`).
         workers: worker tasks.
         ps: ps tasks.
-        max_restarts: restarts allowed per worker, ps or evaluator task.
+        max_restarts: restarts allowed per task (chief, worker, ps or evaluator).
         gpus_per_worker: GPUs given to each worker through
             `CUDA_VISIBLE_DEVICES` (worker `i` gets GPUs `i*G .. i*G+G-1`; the
             chief and ps tasks get none); `None` leaves the variable alone.
@@ -242,6 +253,7 @@ class Launcher:
         self._processes: dict[Task, _Process] = {}
         self._scratch = None  # the report for the chief, the training-finished flag
         self._wanted = None  # the elastic pool's wanted size, once the chief has connected
+        self._standby: _Process | None = None  # the next restarted task's interpreter
 
     # -- output ------------------------------------------------------------------------
     def _say(self, line: str):
@@ -253,25 +265,61 @@ class Launcher:
             self._out.flush()
 
     def _pump(self, process: _Process, stream):
-        prefix = f"[{process.task.name}] "
         for raw in iter(stream.readline, b""):
-            self._write(prefix + raw.decode(errors="replace").rstrip("\n") + "\n")
+            if process.task.type == _STANDBY:
+                continue  # a standby's own start-up output, before it has a task
+            line = raw.decode(errors="replace").rstrip("\n")
+            self._write(f"[{process.task.name}] {line}\n")
         stream.close()
 
     # -- processes ---------------------------------------------------------------------
-    def _start(self, process: _Process):
-        task = process.task
-        env = _environment(self.spec, self.cluster, task, self._base_env, self._scratch)
+    def _spawn(self, process: _Process, command, env, stdin=subprocess.DEVNULL):
         process.popen = subprocess.Popen(
-            _command(self.spec, task), env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_die_with_launcher)
+            command, env=env, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_die_with_launcher)
         process.pump = threading.Thread(target=self._pump, args=(process, process.popen.stdout),
-                                        name=f"kerasps-launch-{task.type}-{task.index}",
+                                        name=f"kerasps-launch-{process.task.type}",
                                         daemon=True)
         process.pump.start()
+
+    def _start(self, process: _Process, warm: bool = False):
+        """Starts `process`'s task; with `warm`, in the standby interpreter if there is one."""
+        task = process.task
+        env = _environment(self.spec, self.cluster, task, self._base_env, self._scratch)
+        command = _command(self.spec, task)
+        warmed = warm and self._hand_to_standby(process, command, env)
+        if not warmed:
+            self._spawn(process, command, env)
         where = f" at {self.cluster[task.type][task.index]}" if task.type in self.cluster else ""
-        self._say(f"started {task.name}{where} (pid {process.popen.pid})")
+        self._say(f"started {task.name}{where} (pid {process.popen.pid})"
+                  + (" in the warm standby" if warmed else ""))
+
+    def _start_standby(self):
+        """Starts an interpreter that imports TensorFlow and Keras, then waits for a task
+        (`kerasps.standby`)."""
+        self._standby = _Process(Task(_STANDBY, 0))
+        self._spawn(self._standby, [sys.executable, "-m", "kerasps.standby"],
+                    dict(self._base_env, PYTHONUNBUFFERED="1"), stdin=subprocess.PIPE)
+
+    def _hand_to_standby(self, process: _Process, command, env) -> bool:
+        """Makes the standby interpreter `process`'s task, then starts a new standby.
+        Returns False if there was none, or it had died."""
+        standby, self._standby = self._standby, None
+        if standby is None:
+            return False
+        standby.task = process.task  # its output is the task's from here on
+        try:
+            standby.popen.stdin.write(json.dumps({"argv": command[1:], "env": env}).encode()
+                                      + b"\n")
+            standby.popen.stdin.close()
+        except (OSError, ValueError):  # it died: the task starts cold
+            _signal_group(standby.popen, signal.SIGKILL)
+            standby.popen.wait()
+            standby = None
+        else:
+            process.popen, process.pump = standby.popen, standby.pump
+        self._start_standby()
+        return standby is not None
 
     def request_stop(self, reason: str = "stopped"):
         """Ends the job from another thread or a signal handler."""
@@ -282,8 +330,10 @@ class Launcher:
         self.request_stop(f"received {signal.Signals(signum).name}")
 
     def run(self) -> int:
-        """Starts every task, restarts failed servers, and returns the job's exit status:
-        the chief's, 1 if a budget was spent, 128 + N after signal N."""
+        """Starts every task, restarts failed ones, and returns the job's exit status: 0
+        once the chief succeeded; the chief's last status (its exit code, or 128 + N
+        after signal N) if its own budget was spent; 1 if another task's was; 130 or 143
+        after Ctrl-C or SIGTERM."""
         handlers = {}
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
@@ -299,6 +349,7 @@ class Launcher:
             for task in self.spec.tasks:
                 self._processes[task] = _Process(task)
                 self._start(self._processes[task])
+            self._start_standby()
             return self._supervise()
         finally:
             self._shutdown()
@@ -319,18 +370,19 @@ class Launcher:
                                               process.restarts)
                 if decision.action is restarts_lib.Action.RESTART:
                     self._say(decision.reason)
-                    process.restarts += 1
-                    process.pump.join()
-                    self._start(process)
+                    self._restart(process)
                 elif decision.action is restarts_lib.Action.DONE:
                     self._say(decision.reason)
                     process.done = True
                 elif decision.action is restarts_lib.Action.FINISH:
                     self._say(decision.reason)
                     process.done = True
-                    status = code if code >= 0 else 128 - code
-                    if code != 0 or not self._finish_training():
+                    status = 0
+                    if not self._finish_training():
                         return status
+                elif process.task.type == restarts_lib.PROGRAM_TYPE:
+                    self._say(f"ending the job: {decision.reason}")
+                    return code if code >= 0 else 128 - code
                 else:
                     self._say(f"ending the job: {decision.reason}")
                     self._fail_chief(decision.reason)
@@ -339,6 +391,30 @@ class Launcher:
                 return status
         self._say(f"ending the job: {self._stop_reason}")
         return 130 if "SIGINT" in (self._stop_reason or "") else 143
+
+    def _restart(self, process: _Process):
+        """Starts `process`'s task again on its address. A restarted chief connects to
+        every declared worker, so the workers an elastic pool stopped start again until
+        it has (then the pool shrinks back to the wanted count)."""
+        process.restarts += 1
+        _signal_group(process.popen, signal.SIGKILL)  # leftovers of the task's group
+        process.pump.join()
+        self._start(process, warm=True)
+        if process.task.type != restarts_lib.PROGRAM_TYPE or self.spec.min_workers is None:
+            return
+        try:
+            os.remove(os.path.join(self._scratch, _CONNECTED_FILE))
+        except FileNotFoundError:
+            pass
+        self._wanted = None
+        for parked in [p for p in self._processes.values() if p.parked]:
+            if parked.popen.poll() is None:
+                self._stop_processes([parked])  # still leaving: let it go first
+            parked.pump.join()
+            parked.parked = False
+            self._say(f"worker {parked.task.index} starts again for the restarted chief to "
+                      "connect")
+            self._start(parked)
 
     def _resize(self):
         """Starts or stops workers to the wanted count, once the chief has connected."""
@@ -370,7 +446,7 @@ class Launcher:
             process.parked = False
             self._say(f"worker {process.task.index} joins the pool ({wanted} of "
                       f"{self.spec.workers} workers wanted)")
-            self._start(process)
+            self._start(process, warm=True)
 
     def _finish_training(self) -> bool:
         """After the chief's success: stops the servers and tells a running evaluator that
@@ -401,8 +477,9 @@ class Launcher:
 
     def _shutdown(self):
         """Stops every process, and whatever is left of their process groups."""
-        self._stop_processes(self._processes.values())
-        for process in self._processes.values():
+        processes = [*self._processes.values(), *[self._standby] * (self._standby is not None)]
+        self._stop_processes(processes)
+        for process in processes:
             if process.popen is not None:
                 _signal_group(process.popen, signal.SIGKILL)  # leftovers of the task's group
             if process.pump is not None:

@@ -2,11 +2,20 @@
 
 `kerasps launch` (the mechanism, `kerasps.launch`) asks `RestartPolicy.decide`
 what to do each time a process ends; the simulator can ask the same
-questions of its simulated tasks. The budget is per task: each worker and ps
-task may be restarted `max_restarts` times on its own address (as Kubernetes
-restarts a pod's container in place); one more exit ends the job. The side-car
-`evaluator` is restarted like them when it fails; when it exits with status 0 it
-has finished its work and stays down while training goes on.
+questions of its simulated tasks. The budget is per task: each worker, ps and
+chief task may be restarted `max_restarts` times on its own address (as
+Kubernetes restarts a pod's container in place); one more exit ends the job.
+
+The chief's exit with status 0 finishes the job. Any other exit, a signal or a
+non-zero status, is a failure and the chief is restarted like the servers, as
+torchrun restarts a failed process group and Kubernetes a failed pod under
+`restartPolicy: OnFailure`: the exit status cannot tell a Python error that
+will happen again from a transient one (a `PsTaskFailedError`, a lost
+connection), and a restarted chief resumes `fit` from its
+`keras.callbacks.BackupAndRestore` backup, so trying again costs at most the
+budget. The side-car `evaluator` is restarted like them when it fails; when it
+exits with status 0 it has finished its work and stays down while training goes
+on.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ SIDECAR_TYPE = "evaluator"  # runs the program beside the training cluster
 class Action(enum.Enum):
     RESTART = "restart"  # start the task again on the same address
     END_JOB = "end_job"  # stop every task; the job failed
-    FINISH = "finish"  # the chief is done: stop every task, exit with its code
+    FINISH = "finish"  # the chief succeeded: stop every task, exit with status 0
     DONE = "done"  # the evaluator is done: leave it down, the job goes on
 
 
@@ -52,10 +61,10 @@ def describe_exit(exit_code: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class RestartPolicy:
-    """Restarts failed server tasks and the evaluator within a budget.
+    """Restarts failed tasks within a budget; the chief's status 0 finishes the job.
 
     Attributes:
-        max_restarts: restarts allowed per worker, ps or evaluator task (0: none).
+        max_restarts: restarts allowed per task (0: none).
     """
 
     max_restarts: int = 3
@@ -72,12 +81,12 @@ class RestartPolicy:
             exit_code: the process's return code (negative: killed by a signal).
             restarts: how many times this task was already restarted.
         """
-        if task_type == PROGRAM_TYPE:
-            return Decision(Action.FINISH, f"chief finished with {describe_exit(exit_code)}")
-        if task_type not in SERVER_TYPES + (SIDECAR_TYPE,):
+        if task_type not in (PROGRAM_TYPE,) + SERVER_TYPES + (SIDECAR_TYPE,):
             raise ValueError(f"Invalid value for argument `task_type`: expected one of "
                              f"{(PROGRAM_TYPE,) + SERVER_TYPES + (SIDECAR_TYPE,)}. "
                              f"Received: task_type={task_type!r}")
+        if task_type == PROGRAM_TYPE and exit_code == 0:
+            return Decision(Action.FINISH, f"{task_type} {index} finished with exit code 0")
         if task_type == SIDECAR_TYPE and exit_code == 0:
             return Decision(Action.DONE, f"{task_type} {index} finished")
         what = f"{task_type} {index} exited with {describe_exit(exit_code)}"

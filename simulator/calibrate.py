@@ -44,7 +44,7 @@ from simulator.scenario import Mode, Scenario
 POOR_FIT_KS = 0.1
 
 __all__ = ["StepTimeFit", "CalibratedModel", "calibrate", "predict_throughput", "mva_throughput",
-           "predict_sync_step_time", "synthetic_trace"]
+           "predict_sync_step_time", "predict_goodput", "synthetic_trace"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,6 +428,68 @@ def predict_sync_step_time(trace, *, num_workers: int, backup_workers: int = 0,
         cycle = float(np.mean(cycles))
         data["stragglers"] = {"count": 1, "slowdown": max(cycle, straggler_delay) / cycle}
     return run(Scenario.from_dict(data)).step_time
+
+
+_KILLED = {"worker": "worker", "ps": "ps", "chief": "coordinator"}
+
+
+def predict_goodput(recovery_times: dict, kill_schedule, fault_free_wall: float, *,
+                    training_time: float, steps: int, workers: int = 2, ps: int = 1,
+                    checkpoint_every: int = 0, seed: int = 0) -> float:
+    """Predicted goodput of a job whose processes are killed on a schedule: its wall
+    time without faults over the wall time the simulator predicts with them.
+
+    The fault-free job is a start-up (`fault_free_wall - training_time`: processes,
+    connection, shut-down), then `steps` asynchronous steps at its measured rate, made
+    by `workers` workers at `workers * training_time / steps` seconds a step each.
+    Each kill takes its actor out for its kind's recovery time: a killed worker loses
+    its step in flight and works again after `recovery_times["worker"]` while the
+    others go on; a killed ps task or chief stops training, which goes back to the
+    last backup (every `checkpoint_every` steps) and resumes after the recovery time,
+    running the steps since the backup again (the simulator's coordinator and ps
+    failures, `Coordinator.job_failure`).
+
+    Args:
+        recovery_times: seconds from a kill to its actor's first step, by kind:
+            `"worker"`, `"ps"` and `"chief"` (for a ps task or the chief, to the first
+            step after the backup was restored: the steps run again are simulated).
+        kill_schedule: `(time, kind, index)` triples: seconds since training started,
+            `"worker"`, `"ps"` or `"chief"`, and the task's index.
+        fault_free_wall: seconds the job takes without faults, start-up included.
+        training_time: seconds of training in the fault-free job (first to last step).
+        steps: steps the job trains.
+        workers, ps: the job's tasks.
+        checkpoint_every: steps between backups (0: none, a kill goes back to the start).
+        seed: simulation seed.
+
+    Returns:
+        `fault_free_wall` over the predicted wall time under the kills.
+    """
+    from simulator.simulation import run
+
+    if not 0 < training_time <= fault_free_wall:
+        raise ValueError("Invalid value for argument `training_time`: expected seconds in "
+                         f"(0, fault_free_wall={fault_free_wall!r}]. Received: "
+                         f"training_time={training_time!r}")
+    missing = {kind for _, kind, _ in kill_schedule} - set(recovery_times)
+    unknown = {kind for _, kind, _ in kill_schedule} - set(_KILLED)
+    if unknown or missing:
+        raise ValueError(
+            "Invalid value for argument `kill_schedule`: every kill needs a kind among "
+            f"{sorted(_KILLED)} with a recovery time (recovery_times has "
+            f"{sorted(recovery_times)}). Received: kinds {sorted(unknown | missing)}")
+    events = [{"time": float(t), "target": _KILLED[kind], "index": int(index),
+               "downtime": float(recovery_times[kind])} for t, kind, index in kill_schedule]
+    data = {"name": "kill schedule", "seed": seed,
+            "training": {"mode": "async", "steps": int(steps)},
+            "workers": {"count": workers, "step_time": {
+                "distribution": "constant", "value": workers * training_time / steps}},
+            "ps": {"count": ps}, "checkpoint": {"every": checkpoint_every},
+            "failures": {"events": events}}
+    result = run(Scenario.from_dict(data))
+    if not result.finished:
+        raise RuntimeError(f"The simulated job did not finish: {result.ended_by}")
+    return fault_free_wall / (fault_free_wall - training_time + result.elapsed)
 
 
 def synthetic_trace(num_workers: int, steps_per_worker: int, shift: float, rate: float,

@@ -294,7 +294,11 @@ class Coordinator:
 
 
 def coordinator(env: simpy.Environment, c: Coordinator):
-    """The coordinator's process: writes checkpoints; a failure interrupts it."""
+    """The coordinator's process: writes checkpoints; a failure interrupts it.
+
+    A crash is the chief's (`"chief:0"` to the restart policy): within its budget it
+    comes back and training rolls back to the last checkpoint; beyond, the job ends.
+    """
     while True:
         try:
             yield c.checkpoint_due
@@ -312,5 +316,8 @@ def coordinator(env: simpy.Environment, c: Coordinator):
             if isinstance(interrupt.cause, Abort):
                 continue  # a ps failed while the checkpoint was written
             c.up = False
+            if not c.restart("chief", 0):  # the launcher restarts the chief like any task
+                c.metrics.failures.append((env.now, "coordinator", "crash", 0))
+                return
             yield from c.job_failure("coordinator", interrupt.cause)
             c.up = True

@@ -3,9 +3,9 @@
 Every failure is an interrupt of an actor's process (`worker`, `ps`,
 `coordinator`); the `cause` says what happened. Injectors are processes too:
 `random_failures` draws exponential times to failure from an MTBF, and
-`scripted_failures` replays `[[failures.events]]`. Whether a crashed worker
-or ps task comes back is decided by `kerasps launch`'s own restart policy
-(`Restarts`).
+`scripted_failures` replays `[[failures.events]]`. Whether a crashed worker,
+ps task or coordinator (the chief) comes back is decided by `kerasps launch`'s
+own restart policy (`Restarts`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class Leave:
 
 
 class Restarts:
-    """The restarts of every simulated worker and ps task, decided by `kerasps.restarts`.
+    """The restarts of every simulated task (worker, ps, chief), decided by
+    `kerasps.restarts`.
 
     Each crash asks `kerasps.restarts.RestartPolicy.decide`, as the restart
     agent of `kerasps launch` does when a process exits: the task restarts
@@ -63,7 +64,7 @@ class Restarts:
             `None`: unlimited.
 
     Attributes:
-        counts: restarts so far, by task name (`"worker:1"`, `"ps:0"`).
+        counts: restarts so far, by task name (`"worker:1"`, `"ps:0"`, `"chief:0"`).
     """
 
     def __init__(self, max_restarts: int | None):

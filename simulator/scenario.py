@@ -231,10 +231,10 @@ class FailuresSpec:
             restores the last checkpoint).
         coordinator_mtbf: mean seconds between coordinator failures.
         coordinator_restart_time: seconds the coordinator is down.
-        max_restarts: restarts allowed per worker or ps task, as `kerasps launch
-            --max-restarts`: `kerasps.restarts.RestartPolicy` decides, and the
-            crash after the last one ends the job (`Result.ended_by`). `None`:
-            unlimited. Permanent losses and coordinator crashes do not count.
+        max_restarts: restarts allowed per worker, ps or coordinator (chief) task,
+            as `kerasps launch --max-restarts`: `kerasps.restarts.RestartPolicy`
+            decides, and the crash after the last one ends the job
+            (`Result.ended_by`). `None`: unlimited. Permanent losses do not count.
         events: scripted failures.
     """
 

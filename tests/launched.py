@@ -28,11 +28,13 @@ def launch(tmp_path, chief_code: str, *options: str, args=(), env=None) -> Runni
 class RunningJob:
     """A command (a launcher, or a chief) in a subprocess, its output read line by line.
 
-    Lines `[launcher] started <task> at <address> (pid N)` record each task's pids.
+    Lines `[launcher] started <task> at <address> (pid N)` record each task's pids;
+    `times[i]` is when `lines[i]` was read (`time.time()`).
     """
 
     def __init__(self, command, cwd=None, env=None):
         self.lines: list[str] = []
+        self.times: list[float] = []
         self.pids: dict[str, list[int]] = {}  # task -> pids, oldest first
         self._queue: queue.Queue = queue.Queue()
         self.process = subprocess.Popen(
@@ -47,6 +49,7 @@ class RunningJob:
             started = STARTED.search(line)
             if started:
                 self.pids.setdefault(started.group(1), []).append(int(started.group(2)))
+            self.times.append(time.time())
             self.lines.append(line)
             self._queue.put(line)
         self._queue.put(None)

@@ -2,6 +2,7 @@
 worker failures inside `fit`, `evaluate` and custom loops (SIGKILL, as a machine
 loss would)."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -348,7 +349,10 @@ def test_ps_killed_mid_fit_raises_an_error_naming_the_ps_task(tmp_path):
         assert "ps task 0 (/job:ps/replica:0/task:0) became unavailable during `fit`" in (
             failed.group(2))
         assert "BackupAndRestore" in failed.group(2)
-        assert job.finish() == 3
+        # A failed chief is restarted, whatever its exit status (as torchrun does).
+        job.wait_for(r"\[launcher\] chief 0 exited with exit code 3; restart 1 of 1")
+        job.process.send_signal(signal.SIGTERM)
+        assert job.finish() == 143
     finally:
         job.close()
 
@@ -402,7 +406,8 @@ RESUMING_CHIEF = PS_RECOVERY_CHIEF.replace(
     "            say('first batch', batch, 'iterations', int(model.optimizer.iterations.numpy()))\n"
     "        say('train batch', next(trained))\n").replace(
     "on_train_batch_end=lambda batch, logs: say(\"train batch\", next(trained)))",
-    "on_train_batch_end=on_batch)")
+    "on_train_batch_end=on_batch, on_epoch_begin=lambda epoch, logs: say(\n"
+    "        'epoch', epoch, 'begins at iterations', int(model.optimizer.iterations.numpy())))")
 
 
 def _recorded_progress(path):
@@ -414,13 +419,14 @@ def _recorded_progress(path):
 
 @pytest.mark.parametrize("corrupt_latest", [False, True], ids=["latest", "corrupt_latest"])
 def test_killed_coordinator_run_again_resumes_inside_the_epoch(tmp_path, corrupt_latest):
+    """A chief killed with no restart left, run again by hand (a new launch)."""
     backup = tmp_path / "backup"
     options = ("--workers", "2", "--ps", "1")
-    job = launch(tmp_path, RESUMING_CHIEF, *options, args=[str(backup)])
+    job = launch(tmp_path, RESUMING_CHIEF, *options, "--max-restarts", "0", args=[str(backup)])
     try:
         job.wait_for(r"\[chief 0\] train batch 75$")
         job.kill("chief 0")
-        assert job.finish() != 0
+        assert job.finish() == 128 + signal.SIGKILL
     finally:
         job.close()
     latest, previous = backup / "latest.weights.h5", backup / "latest.weights.h5.bkp"
@@ -443,6 +449,166 @@ def test_killed_coordinator_run_again_resumes_inside_the_epoch(tmp_path, corrupt
         assert iterations >= 200
     finally:
         job.close()
+
+
+def test_chief_killed_mid_fit_is_restarted_and_resumes_inside_the_epoch(tmp_path):
+    job = launch(tmp_path, RESUMING_CHIEF, "--workers", "2", "--ps", "1", "--max-restarts", "1",
+                 args=[str(tmp_path / "backup")])
+    try:
+        job.wait_for(r"\[chief 0\] train batch 75$")
+        servers = {task: job.pid(task) for task in ("worker 0", "worker 1", "ps 0")}
+        job.kill("chief 0")
+        job.wait_for(r"\[launcher\] chief 0 exited with signal 9 \(SIGKILL\); restart 1 of 1")
+        restarted = len(job.lines)
+        # The new chief resumes from the backup inside epoch 2 (its step is not 0)...
+        first = int(job.wait_for(r"\[chief 0\] first batch ([1-9]\d*) iterations").group(1))
+        iterations = int(job.wait_for(r"\[chief 0\] iterations (\d+)").group(1))
+        assert job.finish() == 0, job.output()
+        (restored,) = [int(line.rsplit(" ", 1)[1]) for line in job.lines[restarted:]
+                       if line.startswith("[chief 0] epoch 1 begins at iterations ")]
+        # ... on the servers that served the old one (none was restarted) ...
+        assert {task: job.pids[task] for task in servers} == {
+            task: [pid] for task, pid in servers.items()}
+        address = job.wait_for(r"\[launcher\] started ps 0 at (\S+) ").group(1)
+        job.wait_for(rf"\[ps 0\] kerasps serve: ps 0 serving at {address}$")
+        assert len(job.pids["chief 0"]) == 2
+        # ... and runs the steps the backup had not recorded, each once. At-least-once: the
+        # backup holds its recorded steps and those applied before their results were
+        # delivered (the ps ran them, the old chief had not seen them yet), which count twice.
+        counts = [int(line.rsplit(" ", 1)[1]) for line in job.lines[restarted:]
+                  if line.startswith("[chief 0] train batch ")]
+        recorded = 50 + first
+        assert max(counts) == 200 - recorded
+        assert restored >= recorded
+        assert iterations == restored + 200 - recorded
+    finally:
+        job.close()
+
+
+FAILING_CHIEF = """
+    import os, sys, time
+    print("cluster", os.environ["TF_CONFIG"], flush=True)
+    if sys.argv[1] == "exit":
+        raise SystemExit(3)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how, status, exit", [
+    ("exit", 3, r"exit code 3"), ("kill", 128 + signal.SIGKILL, r"signal 9 \(SIGKILL\)")])
+def test_a_chief_failing_beyond_its_budget_ends_the_job_with_its_status(tmp_path, how, status,
+                                                                         exit):
+    job = launch(tmp_path, FAILING_CHIEF, "--workers", "1", "--ps", "1", "--max-restarts", "1",
+                 args=(how,))
+    try:
+        def configs():
+            return [json.loads(line.split(" cluster ", 1)[1]) for line in job.lines
+                    if line.startswith("[chief 0] cluster ")]
+
+        job.wait_for(r"\[chief 0\] cluster ")
+        if how == "kill":
+            job.kill("chief 0")
+        job.wait_for(rf"\[launcher\] chief 0 exited with {exit}; restart 1 of 1")
+        assert wait_until(lambda: len(configs()) == 2), job.output()
+        if how == "kill":
+            job.kill("chief 0")
+        job.wait_for(rf"\[launcher\] ending the job: chief 0 exited with {exit} and its "
+                     r"restart budget is spent \(1 restart\)")
+        assert job.finish() == status
+        first, again = configs()
+        assert first == again  # the same address
+        assert len(job.pids["chief 0"]) == 2
+        started = [line for line in job.lines if line.startswith("[launcher] started chief 0")]
+        assert started[1].endswith(" in the warm standby")
+        _assert_nothing_left(job, first["cluster"], processes=4)
+    finally:
+        job.close()
+
+
+STANDBY_SCRIPT = """
+    import json, os, sys
+    print(json.dumps({"name": __name__, "argv": sys.argv, "path": sys.path[0],
+                      "config": os.environ.get("TF_CONFIG"), "stdin": sys.stdin.read(),
+                      "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}), flush=True)
+    raise SystemExit(int(sys.argv[1]))
+"""
+
+
+def test_the_standby_runs_a_script_as_python_does_in_the_tasks_environment(tmp_path):
+    script = tmp_path / "job" / "chief.py"
+    script.parent.mkdir()
+    script.write_text(textwrap.dedent(STANDBY_SCRIPT))
+    env = {**os.environ, "TF_CONFIG": '{"task": {"type": "chief"}}', "CUDA_VISIBLE_DEVICES": "3"}
+    task = json.dumps({"argv": [str(script), "7"], "env": env})
+    result = subprocess.run([sys.executable, "-m", "kerasps.standby"], input=task + "\n",
+                            capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert result.returncode == 7, result.stderr[-3000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == {
+        "name": "__main__", "argv": [str(script), "7"], "path": str(script.parent),
+        "config": env["TF_CONFIG"], "stdin": "", "gpus": "3"}
+
+
+ELASTIC_FAILING_CHIEF = """
+    import os, time
+    from kerasps import launch
+
+    restarted = os.path.exists("started")
+    open("started", "w").close()
+    if restarted:  # connects when the test says so
+        while not os.path.exists("connect"):
+            time.sleep(0.05)
+    launch.report_connected()  # what the strategy does once it has connected
+    print("connected", flush=True)
+    while not os.path.exists("done"):
+        time.sleep(0.05)
+"""
+
+
+def test_a_restarted_chief_of_an_elastic_pool_finds_every_declared_worker_up(tmp_path):
+    """TensorFlow's coordinator connects to every declared worker: those the pool had
+    stopped start again for the new chief, and stop once it has connected."""
+    job = launch(tmp_path, ELASTIC_FAILING_CHIEF, "--workers", "1:2", "--ps", "1")
+    try:
+        job.wait_for(r"\[launcher\] worker 1 leaves the pool \(1 of 2 workers wanted\)")
+        assert wait_until(lambda: process_gone(job.pids["worker 1"][0]))
+        job.kill("chief 0")
+        job.wait_for(r"\[launcher\] worker 1 starts again for the restarted chief to connect")
+        assert wait_until(lambda: len(job.pids["worker 1"]) == 2), job.output()
+        stopped = len([line for line in job.lines if "worker 1 leaves the pool" in line])
+        assert stopped == 1  # the new chief has not connected: worker 1 runs
+        (tmp_path / "connect").touch()
+        job.wait_for(r"\[launcher\] worker 1 leaves the pool")  # again
+        assert wait_until(lambda: len([
+            line for line in job.lines if "worker 1 leaves the pool" in line]) == 2)
+        assert wait_until(lambda: process_gone(job.pids["worker 1"][1]))
+        (tmp_path / "done").touch()
+        assert job.finish() == 0, job.output()
+    finally:
+        job.close()
+
+
+def _benchmark(name):
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_short_chaos_run_finishes_with_every_step(tmp_path):
+    """`benchmarks/chaos.py` in short: a worker, a ps task and the chief SIGKILLed in turn,
+    one every 6-8 s, under `kerasps launch`."""
+    chaos = _benchmark("chaos")
+    config = chaos.Config(epochs=2, steps=1500, kill_every=(6.0, 8.0), max_kills=3)
+    result = chaos.run_job(str(tmp_path), config, seed=0)
+    output = "\n".join(line for _, line in result["output"][-150:])
+    assert [kill["kind"] for kill in result["kills"]] == ["worker", "ps", "chief"], output
+    assert result["code"] == 0, output
+    assert 3000 <= result["applied"] <= 3000 + 3 * chaos.EXTRA_PER_KILL
+    assert result["finished"]
+    for kill in result["kills"]:
+        assert any(line.startswith(f"[launcher] {kill['task']} exited with signal 9 (SIGKILL); "
+                                   "restart 1 of") for _, line in result["launcher"])
 
 
 # TensorFlow's own fault-tolerance scenarios (`fault_tolerance_test_base.py`), on a custom

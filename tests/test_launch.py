@@ -22,10 +22,20 @@ def test_a_server_is_restarted_until_its_budget_is_spent():
                             "is spent (2 restarts)")
 
 
-def test_the_chiefs_exit_finishes_the_job_whatever_its_code():
-    policy = RestartPolicy(max_restarts=5)
-    assert policy.decide("chief", 0, 0, restarts=0).action is Action.FINISH
-    assert policy.decide("chief", 0, 3, restarts=0).action is Action.FINISH
+def test_the_chief_finishes_the_job_with_status_0_and_is_restarted_like_a_server_otherwise():
+    policy = RestartPolicy(max_restarts=2)
+    done = policy.decide("chief", 0, 0, restarts=0)
+    assert done.action is Action.FINISH and done.reason == "chief 0 finished with exit code 0"
+    # As torchrun and Kubernetes' OnFailure: a kill and a Python error are both restarted.
+    assert policy.decide("chief", 0, -9, restarts=0).action is Action.RESTART
+    restarted = policy.decide("chief", 0, 1, restarts=1)
+    assert restarted.action is Action.RESTART
+    assert restarted.reason == "chief 0 exited with exit code 1; restart 2 of 2"
+    spent = policy.decide("chief", 0, -9, restarts=2)
+    assert spent.action is Action.END_JOB
+    assert spent.reason == ("chief 0 exited with signal 9 (SIGKILL) and its restart budget "
+                            "is spent (2 restarts)")
+    assert RestartPolicy(max_restarts=0).decide("chief", 0, 3, 0).action is Action.END_JOB
 
 
 def test_the_evaluator_is_restarted_when_it_fails_and_left_down_when_it_is_done():

@@ -44,8 +44,10 @@ from kerasps import _keras, _tf, failures
 from kerasps.failures import Progress, PsTaskFailedError, Recovery
 from kerasps.trainer.steps import forget_step_functions
 
-# Seconds `fit` waits for a lost ps task to answer again before giving up.
+# Seconds `fit` waits for a lost ps task to answer again before giving up, and between
+# two asks (a restarted task is often back within a second).
 PS_RECOVERY_TIMEOUT = 600.0
+PS_POLL_INTERVAL = 0.1
 _PROGRESS = "kerasps_progress"
 
 _log = logging.getLogger("kerasps")
@@ -179,12 +181,14 @@ def recover(error, model, backup: Backup | None, epoch: int, finished: int,
                      "running the failed steps again in %.1f s.", epoch + 1, finished, delay)
         time.sleep(delay)  # the workers' connections to it back off before reconnecting
         return Progress(epoch, finished)
+    _log.warning("ps task(s) %s lost their variables at epoch %d step %d; restoring the latest "
+                 "backup once they answer again.", ", ".join(map(str, lost)), epoch + 1,
+                 finished)
+    start = time.monotonic()
     progress = restore_lost_state(model, backup, lost)
     rerun = failures.steps_rolled_back(progress, epoch, finished)
-    _log.warning(
-        "ps task(s) %s lost their variables at epoch %d step %d; restored the backup of "
-        "step %d: %d step(s) run again.", ", ".join(map(str, lost)), epoch + 1, finished,
-        progress.step, rerun)
+    _log.warning("Restored the backup of epoch %d step %d in %.1f s: %d step(s) run again.",
+                 progress.epoch + 1, progress.step, time.monotonic() - start, rerun)
     return progress
 
 
@@ -197,7 +201,8 @@ def restore_lost_state(model, backup: Backup, ps_tasks) -> Progress:
                 raise PsTaskFailedError(task, "fit", reason=(
                     f"It did not answer again within {PS_RECOVERY_TIMEOUT:.0f} s, so the "
                     "backup could not be restored."))
-            time.sleep(0.5)
+            time.sleep(PS_POLL_INTERVAL)
+    _log.info("ps task(s) %s answer again.", ", ".join(map(str, ps_tasks)))
     from kerasps.coordinator import ClusterCoordinator
 
     _tf.reconnect_cluster(ClusterCoordinator(model.distribute_strategy)._tf_coordinator)

@@ -4,7 +4,7 @@ import pytest
 
 import simulator
 from kerasps.trace import read_trace, write_trace
-from simulator.calibrate import mva_throughput, synthetic_trace
+from simulator.calibrate import mva_throughput, predict_goodput, synthetic_trace
 from simulator.cli import main
 
 
@@ -161,3 +161,39 @@ def test_elastic_prediction_on_a_shared_cpu_saturates():
     phases = predict_elastic_throughput(trace, workers=2, events=[(20.0, 2), (40.0, -2)],
                                         duration=60.0, cpus=1, cores_per_step="all")
     assert phases[1] == pytest.approx(phases[0], rel=0.15)  # one core: more workers, no gain
+
+
+# A fault-free job of 10 s start-up and 1000 steps in 100 s (2 workers, 0.2 s a step each;
+# steps end every 0.2 s, 2 at a time), backed up every 25 steps; kills 52.55 s into training.
+JOB = dict(training_time=100.0, steps=1000, workers=2, ps=2, checkpoint_every=25)
+
+
+def predicted_wall(goodput):
+    return 110.0 / goodput
+
+
+def test_goodput_without_kills_is_one():
+    assert predict_goodput({}, [], 110.0, **JOB) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("kind", ["chief", "ps"])
+def test_a_chief_or_ps_kill_costs_its_recovery_and_the_steps_since_the_backup(kind):
+    goodput = predict_goodput({kind: 5.0}, [(52.55, kind, 1 if kind == "ps" else 0)], 110.0,
+                              **JOB)
+    # Back 5 s later at the backup of step 500: the 24 steps since run again (2.4 s).
+    assert predicted_wall(goodput) == pytest.approx(10 + 52.55 + 5.0 + 50.0)
+
+
+def test_a_worker_kill_halves_the_rate_while_it_is_away():
+    goodput = predict_goodput({"worker": 10.0}, [(52.55, "worker", 1)], 110.0, **JOB)
+    # 10 s at half rate (5 s), and the 0.15 s its lost step had run.
+    assert predicted_wall(goodput) == pytest.approx(110 + 5.0 + 0.15)
+
+
+def test_kills_need_a_known_kind_with_a_recovery_time():
+    with pytest.raises(ValueError, match=r"argument `kill_schedule`.*Received: kinds \['ps'\]"):
+        predict_goodput({"chief": 1.0}, [(1.0, "ps", 0)], 110.0, **JOB)
+    with pytest.raises(ValueError, match=r"argument `kill_schedule`.*kinds \['master'\]"):
+        predict_goodput({"master": 1.0}, [(1.0, "master", 0)], 110.0, **JOB)
+    with pytest.raises(ValueError, match=r"argument `training_time`.*training_time=120"):
+        predict_goodput({}, [], 110.0, **{**JOB, "training_time": 120})

@@ -128,3 +128,19 @@ def test_max_restarts_must_not_be_negative():
                        r"max_restarts` in test.toml: it must not be negative. "
                        r"Received: failures.max_restarts=-1"):
         make(2, failures={"max_restarts": -1})
+
+
+def test_the_coordinator_is_restarted_like_kerasps_launch_restarts_the_chief():
+    crash = {"time": 13.5, "target": "coordinator", "downtime": 1.0}
+    within = simulator.run(sync(2, 20, {"max_restarts": 1, "events": [crash]},
+                                checkpoint={"every": 10}))
+    assert within.finished
+    assert within.restarts == {"chief:0": 1}
+    assert within.elapsed == pytest.approx(13.5 + 1.0 + 10)
+    spent = simulator.run(sync(2, 20, {"max_restarts": 0, "events": [crash]},
+                               checkpoint={"every": 10}))
+    assert not spent.finished
+    assert spent.steps == 13
+    assert spent.ended_by == {
+        "time": 13.5, "task": "chief:0", "restarts": 0,
+        "reason": RestartPolicy(max_restarts=0).decide("chief", 0, -9, 0).reason}
