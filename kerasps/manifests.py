@@ -138,15 +138,14 @@ def jobset(spec: LaunchSpec, name: str, image: str, script: str | None = None) -
         if not runs_program(kind):
             # Ready once it serves: the next replicated job starts only then.
             container["readinessProbe"] = {"tcpSocket": {"port": PORT}, "periodSeconds": 2}
-        chief = kind == "chief"
         replicated = {
             "name": kind,
             "replicas": counts[kind],
             "template": {"spec": {
                 # An Indexed Job's pod is named, and found in DNS, by its job and index.
                 "completionMode": "Indexed", "parallelism": 1, "completions": 1,
-                "backoffLimit": 0 if chief else spec.max_restarts,
-                "template": {"spec": {"restartPolicy": "Never" if chief else "OnFailure",
+                "backoffLimit": spec.max_restarts,
+                "template": {"spec": {"restartPolicy": "OnFailure",
                                       "containers": [container]}}}},
         }
         # TensorFlow's coordinator connects to every worker and ps task once, when the
@@ -179,7 +178,7 @@ def tfjob(spec: LaunchSpec, name: str, image: str, script: str | None = None) ->
         if count:
             replicas[_TFJOB_TYPES[kind]] = {
                 "replicas": count,
-                "restartPolicy": "Never" if kind == "chief" else "OnFailure",
+                "restartPolicy": "OnFailure",
                 "template": {"spec": {"containers": [_container(spec, kind, image, script)]}},
             }
     return {
@@ -193,7 +192,7 @@ def tfjob(spec: LaunchSpec, name: str, image: str, script: str | None = None) ->
 
 
 def _restartable(spec: LaunchSpec) -> int:
-    return spec.workers + spec.ps + int(spec.evaluator)
+    return 1 + spec.workers + spec.ps + int(spec.evaluator)  # the chief too
 
 
 def notes(spec: LaunchSpec, kind: str) -> str:
@@ -206,13 +205,14 @@ def notes(spec: LaunchSpec, kind: str) -> str:
             "Every task is a Job of one pod. Each pod finds its TF_CONFIG from the JobSet's",
             "annotations (kerasps.cluster.tf_config_from_jobset); change a replicated job's",
             f"`replicas` and {JOBSET_REPLICAS_ENV} together.",
-            f"Restarts, as `kerasps launch --max-restarts {n}`: each worker, ps and evaluator",
-            f"pod restarts in place (same pod, same address) up to backoffLimit = {n} times;",
-            "the chief is not restarted. One more failure fails its Job, and with",
-            "failurePolicy.maxRestarts 0 the JobSet, which deletes every pod (raise it to",
-            "recreate every pod instead, the chief resuming from a BackupAndRestore backup on a",
-            "shared volume). Unlike `kerasps launch`, Kubernetes waits between restarts",
-            "(10 s, doubling, at most 6 min).",
+            f"Restarts, as `kerasps launch --max-restarts {n}`: each chief, worker, ps and",
+            f"evaluator pod restarts in place (same pod, same address) up to backoffLimit = {n}",
+            "times; a restarted chief resumes from its BackupAndRestore backup, which must be",
+            "on a volume (an emptyDir outlives the container's restarts). One more failure",
+            "fails its Job, and with failurePolicy.maxRestarts 0 the JobSet, which deletes",
+            "every pod (raise it to recreate every pod instead, the backup then on a shared",
+            "volume). Unlike `kerasps launch`, Kubernetes waits between restarts (10 s,",
+            "doubling, at most 6 min).",
             "The JobSet succeeds when the chief" + (" and the evaluator have" if spec.evaluator
                                                     else " has") + " exited with status 0;",
             "its worker and ps pods are deleted then.",
@@ -226,8 +226,8 @@ def notes(spec: LaunchSpec, kind: str) -> str:
             "TFJob counts restarts over all its pods, so runPolicy.backoffLimit is",
             f"{n} x {_restartable(spec)} restartable tasks = {total}, and one task may use more "
             f"than {n} of them.",
-            "The chief is not restarted. When the job ends, its running pods are deleted",
-            "(cleanPodPolicy: Running).",
+            "A restarted chief resumes from its BackupAndRestore backup, which must be on a",
+            "volume. When the job ends, its running pods are deleted (cleanPodPolicy: Running).",
         ]
     else:
         raise ValueError(f"Invalid value for argument `kind`: expected 'JobSet' or 'TFJob'. "

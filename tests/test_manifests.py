@@ -246,10 +246,9 @@ def test_jobset_restarts_each_server_in_place_within_its_own_budget():
         assert job["parallelism"] == job["completions"] == 1  # a task is a Job of one pod
         assert job["completionMode"] == "Indexed"  # hostname <job>-0 in the JobSet's subdomain
         restart = job["template"]["spec"]["restartPolicy"]
-        if kind == "chief":
-            assert (job["backoffLimit"], restart) == (0, "Never")
-        else:  # restarted in place, same pod and address, `--max-restarts` times
-            assert (job["backoffLimit"], restart) == (SPEC.max_restarts, "OnFailure")
+        # Restarted in place, same pod and address, `--max-restarts` times: the chief
+        # too, as `kerasps launch` restarts it.
+        assert (job["backoffLimit"], restart) == (SPEC.max_restarts, "OnFailure")
     # A task whose budget is spent fails the JobSet, which deletes every pod.
     assert jobset["spec"]["failurePolicy"] == {"maxRestarts": 0}
     assert jobset["spec"]["successPolicy"] == {"operator": "All",
@@ -266,9 +265,9 @@ def test_jobset_restarts_each_server_in_place_within_its_own_budget():
 def test_tfjob_budget_is_the_local_total_and_its_file_says_how_it_differs(tmp_path):
     spec = launch.LaunchSpec(program=("train.py",), workers=4, ps=2, max_restarts=3)
     job = emitted(manifests.tfjob, spec)
-    assert job["spec"]["runPolicy"] == {"backoffLimit": 18, "cleanPodPolicy": "Running"}
+    assert job["spec"]["runPolicy"] == {"backoffLimit": 21, "cleanPodPolicy": "Running"}
     notes = manifests.notes(spec, "TFJob")
-    assert "allows 3 per task" in notes and "3 x 6 restartable tasks = 18" in notes
+    assert "allows 3 per task" in notes and "3 x 7 restartable tasks = 21" in notes
     emit(tmp_path, "--workers", "4", "--ps", "2", "--max-restarts", "3", "train.py")
     text = (tmp_path / "train.tfjob.yaml").read_text()
     assert text.startswith(notes)
@@ -280,7 +279,7 @@ def test_tfjob_replicas_run_the_script_or_serve():
     assert {k: r["replicas"] for k, r in replicas.items()} == {
         "Chief": 1, "Worker": 3, "PS": 2, "Evaluator": 1}
     assert {k: r["restartPolicy"] for k, r in replicas.items()} == {
-        "Chief": "Never", "Worker": "OnFailure", "PS": "OnFailure", "Evaluator": "OnFailure"}
+        "Chief": "OnFailure", "Worker": "OnFailure", "PS": "OnFailure", "Evaluator": "OnFailure"}
     containers = {k: r["template"]["spec"]["containers"][0] for k, r in replicas.items()}
     for container in containers.values():
         assert container["name"] == "tensorflow"  # the operator finds the container by name
