@@ -97,20 +97,26 @@ def retry_delay(attempt: int) -> float | None:
     return min(0.5 * 1.6 ** attempt, 8.0)
 
 
-def steps_rolled_back(backup: Progress, epoch: int, finished: int) -> int:
+def steps_rolled_back(backup: Progress, epoch: int, finished: int,
+                      scheduled: int | None = None) -> int:
     """The steps of `epoch` to run again after restoring `backup`.
 
     Args:
-        backup: where the restored backup was written.
+        backup: where the restored backup was written: the steps its weights hold.
         epoch: the epoch running when the state was lost.
         finished: the steps of `epoch` whose results had reached the coordinator.
+        scheduled: the steps of `epoch` scheduled so far (default `finished`): a
+            backup may hold steps applied ahead of the delivered ones, never more
+            than were scheduled.
 
     Raises:
-        RuntimeError: the backup is not from this epoch (or is ahead of it), so
-            going on from it would not give the requested steps exactly.
+        RuntimeError: the backup is not from this epoch (or is ahead of what was
+            scheduled), so going on from it would not give the requested steps exactly.
     """
-    if backup.epoch != epoch or backup.step > finished:
+    scheduled = finished if scheduled is None else scheduled
+    if backup.epoch != epoch or backup.step > scheduled:
         raise RuntimeError(
             f"Cannot go on from the latest backup: it was written at epoch {backup.epoch + 1} "
-            f"step {backup.step}, but training was at epoch {epoch + 1} step {finished}.")
-    return finished - backup.step
+            f"step {backup.step}, but training was at epoch {epoch + 1} step {finished}"
+            + ("" if scheduled == finished else f" ({scheduled} scheduled)") + ".")
+    return max(0, finished - backup.step)

@@ -194,6 +194,52 @@ def test_backup_and_restore_resumes_an_interrupted_fit(strategy, tmp_path):
     del weights
 
 
+class FinishScheduledSteps(keras.callbacks.Callback):
+    """At the end of batch `batch`, waits for every step scheduled so far (the steps after
+    `batch` included, whose results have not been delivered yet) and records how many
+    the ps tasks have applied."""
+
+    def __init__(self, batch):
+        super().__init__()
+        self.batch, self.applied = batch, None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            kerasps.ClusterCoordinator(self.model.distribute_strategy).join()
+            self.applied = int(self.model.optimizer.iterations.numpy())
+
+
+class FailAtBatch(keras.callbacks.Callback):
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            raise RuntimeError("preempted")
+
+
+def test_a_resumed_fit_does_not_repeat_the_steps_its_backup_holds(strategy, tmp_path):
+    """Issue 17 (chief restarts): a backup written after step 10 also holds the steps the
+    ps tasks had applied ahead of the delivered results; resuming from step 10 applied
+    them twice (at-least-once, up to the dispatch window's backlog per kill)."""
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=10)
+    model = build(strategy)
+    ahead = FinishScheduledSteps(batch=9)
+    with pytest.raises(RuntimeError, match="preempted"):
+        model.fit(kerasps.DatasetCreator(regression_fn), epochs=1, steps_per_epoch=20,
+                  verbose=0, callbacks=[ahead, backup, FailAtBatch(14)])
+    assert ahead.applied > 10  # the backup holds steps scheduled after the 10th
+
+    resumed = build(strategy)
+    batches = []
+    resumed.fit(kerasps.DatasetCreator(regression_fn), epochs=1, steps_per_epoch=20,
+                verbose=0, callbacks=[backup, keras.callbacks.LambdaCallback(
+                    on_train_batch_end=lambda batch, logs: batches.append(batch))])
+    assert batches[0] == ahead.applied  # goes on after the last step the backup holds
+    assert int(resumed.optimizer.iterations.numpy()) == 20
+
+
 def test_tensorboard_writes_event_files(strategy, tmp_path):
     model = build(strategy)
     model.fit(kerasps.DatasetCreator(regression_fn), epochs=1, steps_per_epoch=3, verbose=0,

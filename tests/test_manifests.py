@@ -241,7 +241,7 @@ def test_jobset_restarts_each_server_in_place_within_its_own_budget():
                                                                      "evaluator"]
     assert {k: r["replicas"] for k, r in jobs.items()} == {"ps": 2, "worker": 3, "chief": 1,
                                                           "evaluator": 1}
-    for kind, replicated in jobs.items():
+    for replicated in jobs.values():
         job = replicated["template"]["spec"]
         assert job["parallelism"] == job["completions"] == 1  # a task is a Job of one pod
         assert job["completionMode"] == "Indexed"  # hostname <job>-0 in the JobSet's subdomain

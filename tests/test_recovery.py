@@ -16,6 +16,15 @@ def test_steps_after_the_backup_run_again():
     assert steps_rolled_back(Progress(epoch=2, step=0), epoch=2, finished=0) == 0
 
 
+def test_a_backup_holding_steps_applied_ahead_of_the_delivered_ones_rolls_none_back():
+    """A backup records the steps its weights hold, those applied on the ps tasks before
+    their results reached the coordinator included: none of them runs again."""
+    assert steps_rolled_back(Progress(epoch=2, step=50), epoch=2, finished=47,
+                             scheduled=52) == 0
+    with pytest.raises(RuntimeError, match=r"step 53, but .* step 47 \(52 scheduled\)"):
+        steps_rolled_back(Progress(epoch=2, step=53), epoch=2, finished=47, scheduled=52)
+
+
 @pytest.mark.parametrize("backup", [Progress(1, 40), Progress(2, 50)])
 def test_a_backup_from_another_epoch_or_ahead_cannot_be_gone_on_from(backup):
     with pytest.raises(RuntimeError, match=r"written at epoch \d step \d+, but training was at "

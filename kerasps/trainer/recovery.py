@@ -5,13 +5,15 @@ restart agent, or by Kubernetes) comes back empty. When `fit` has a
 `BackupAndRestore` among its callbacks:
 
 1. Every backup it writes records how far the call was (`failures.Progress`:
-   the epoch, and the steps of it whose results had reached the
-   coordinator), as an attribute of the weights file itself, so the record
-   and the weights cannot disagree; a backup replaces the previous one only
-   once written whole (a save cut short by the loss leaves the last good
-   one). `fit` also writes a backup when it starts and, with an integer
-   `save_freq`, at the end of each epoch: there is always one to restore,
-   and a recovery never crosses an epoch.
+   the epoch, and the steps of it that the backup's weights hold: those whose
+   results had reached the coordinator, and those applied ahead of them,
+   counted by the ps tasks in `optimizer.iterations`), as an attribute of the
+   weights file itself, so the record and the weights cannot disagree; a
+   backup replaces the previous one only once written whole (a save cut
+   short by the loss leaves the last good one). `fit` also writes a backup
+   when it starts and, with an integer `save_freq`, at the end of each
+   epoch: there is always one to restore, and a recovery never crosses an
+   epoch.
 2. After an error, one variable on each ps task is read; the tasks whose
    reads fail lost their state (`failures.decide` takes it from there).
 3. `restore_lost_state` waits for those tasks to answer, re-establishes the
@@ -78,12 +80,18 @@ class Backup:
             yield
 
     def save(self):
-        """Writes a backup now (inside `recording`)."""
-        _keras.write_backup(self.callback, self._record)
+        """Writes a backup now (inside `recording`).
 
-    def _record(self, path):
-        with h5py.File(path, "a") as f:
-            f.attrs[_PROGRESS] = json.dumps(dataclasses.asdict(self._progress()))
+        The progress is read before the weights: the backup holds at least the
+        steps it records (a step applied while the weights are read is in the
+        backup but not in the record, and runs again after a restore)."""
+        progress = self._progress()
+
+        def record(path):
+            with h5py.File(path, "a") as f:
+                f.attrs[_PROGRESS] = json.dumps(dataclasses.asdict(progress))
+
+        _keras.write_backup(self.callback, record)
 
     def save_at_epoch_end(self):
         """Backs up at the end of an epoch unless the callback already did."""
@@ -155,9 +163,9 @@ def raise_if_ps_lost(error, model, method):
 
 
 def recover(error, model, backup: Backup | None, epoch: int, finished: int,
-            retried: int = 0) -> Progress:
-    """After `error` in epoch `epoch` of `fit` (`finished` steps delivered): restores
-    the state lost with ps tasks and returns where to go on from.
+            retried: int = 0, scheduled: int | None = None) -> Progress:
+    """After `error` in epoch `epoch` of `fit` (`finished` steps delivered, `scheduled`
+    scheduled): restores the state lost with ps tasks and returns where to go on from.
 
     `retried`: how many times the steps after `finished` were already run again
     after an unreachable ps task; past `failures.UNREACHABLE_RETRIES`, `error` is
@@ -186,7 +194,7 @@ def recover(error, model, backup: Backup | None, epoch: int, finished: int,
                  finished)
     start = time.monotonic()
     progress = restore_lost_state(model, backup, lost)
-    rerun = failures.steps_rolled_back(progress, epoch, finished)
+    rerun = failures.steps_rolled_back(progress, epoch, finished, scheduled)
     _log.warning("Restored the backup of epoch %d step %d in %.1f s: %d step(s) run again.",
                  progress.epoch + 1, progress.step, time.monotonic() - start, rerun)
     return progress

@@ -211,8 +211,21 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                     worker, make_train_to_end_function(model, with_logs=True), (iterator, 1))
                 deliver_counted([(1, remote.fetch())])
 
+    origin = None  # (epoch, optimizer iterations before its first step)
+
+    def backed_up():
+        """The progress a backup written now records: with repeated input, the steps
+        of the epoch that its weights hold, those applied ahead of the delivered ones
+        included (they are not run again after a restore: each kill repeats at most
+        the steps applied while the weights are read)."""
+        applied = iterations_of(model)
+        if to_end or origin is None or origin[0] != position.epoch or applied is None:
+            return position
+        ahead = min(applied - origin[1], steps_per_epoch)
+        return Progress(position.epoch, max(position.step, ahead))
+
     pool = elastic.watcher(coordinator)
-    with backup.recording(lambda: position) if backup else contextlib.nullcontext(), (
+    with backup.recording(backed_up) if backup else contextlib.nullcontext(), (
             pool.running()), _tf.quiet_end_of_input() if to_end else contextlib.nullcontext():
         if backup is not None:
             backup.save()  # there is always a backup to go back to
@@ -225,6 +238,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                 coordinator.set_trace_phase("train", spe)
             step = done = position.step if position.epoch == epoch else 0
             iterations_before, counted_from, rerun = iterations_of(model), step, 0
+            if iterations_before is not None:
+                origin = (epoch, iterations_before - counted_from)
             if to_end:
                 iterator, ended = iter(per_worker), set()  # a new pass over the data
             while True:
@@ -321,13 +336,12 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                     window.abandon()
                     retries = retries + 1 if retried_at == (epoch, done) else 0
                     position = recovery.recover(error, model, backup, epoch, done,
-                                                retried=retries)
+                                                retried=retries, scheduled=step)
                     retried_at = (epoch, done)
                     window.abandon()  # errors of functions that failed meanwhile
                     # The restored counters are the backup's: `iterations_before` still
-                    # holds, and steps the backup had applied ahead of `position`
-                    # count as re-executed.
-                    rerun += done - position.step
+                    # holds, and `position` counts the steps the backup had applied.
+                    rerun += max(0, done - position.step)
                     if to_end and done > position.step:
                         _log.warning(
                             "Epoch %d: the %d step(s) rolled back read exactly-once input that "
