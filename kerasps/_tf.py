@@ -5,6 +5,7 @@ A TensorFlow upgrade that moves these touches only this file.
 
 import contextlib
 import logging
+import socket
 import threading
 import weakref
 
@@ -401,46 +402,43 @@ def no_colocation():
     return tf_ops.colocate_with(None, ignore_existing=True)
 
 
-# -- the cluster, as the eager context sees it ---------------------------------------------
-# Held around every call that reads or replaces the eager context's view of the cluster.
-_CLUSTER_CALLS = threading.RLock()
-_cluster_calls_serialised = False
+# -- liveness of a task ---------------------------------------------------------------
+TASK_PROBE_TIMEOUT = 1.0  # seconds a liveness probe waits for a task's port to accept
 
 
-def serialise_cluster_calls():
-    """Makes `check_alive`, `update_server_def` and `set_server_def` of TensorFlow's
-    eager context run one at a time, whichever thread calls them (idempotent).
-
-    `check_alive` reads the server's worker cache, which `update_server_def`
-    replaces and frees: run at once from two threads, the first reads freed
-    memory and the process dies with SIGSEGV (`tests/test_threads.py` makes it
-    happen in 6 runs out of 6). kerasps polls liveness from the pool watcher's
-    thread while TensorFlow's failure handler (a worker back) or kerasps'
-    recovery (a ps task back) update the context from theirs.
-    """
-    global _cluster_calls_serialised
-    if _cluster_calls_serialised:
-        return
-    _cluster_calls_serialised = True
-    for name in ("check_alive", "update_server_def", "set_server_def"):
-        original = getattr(context.Context, name)
-
-        def serialised(self, *args, _original=original, **kwargs):
-            with _CLUSTER_CALLS:
-                return _original(self, *args, **kwargs)
-
-        serialised.__name__ = name
-        serialised.__doc__ = original.__doc__
-        setattr(context.Context, name, serialised)
-
-
-# -- a restarted ps task ---------------------------------------------------------------
 def task_alive(job: str, task: int) -> bool:
-    """True if task `task` of `job` answers (a restarted one included)."""
-    try:
-        return bool(context.context().check_alive(f"/job:{job}/replica:0/task:{task}"))
-    except Exception:  # noqa: BLE001 - unreachable counts as not alive
+    """True if task `task` of `job` accepts connections on its address (a restarted one
+    included).
+
+    A TCP connection to the task's gRPC port, not the eager context's
+    `check_alive`: that reads the server's worker cache, which
+    `update_server_def` frees and replaces, so a poll from another thread while
+    TensorFlow's failure handler reconnects killed the chief with SIGSEGV; and
+    serialising the two instead left the pool watcher waiting behind an update
+    that blocks until a worker gone for good comes back (`fit` never returned).
+    The probe touches no TensorFlow state, so it never waits for and never
+    races a reconnection.
+    """
+    address = task_address(job, task)
+    if address is None:
         return False
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), TASK_PROBE_TIMEOUT):
+            return True
+    except (OSError, ValueError):  # refused, unreachable, unresolvable: not alive
+        return False
+
+
+def task_address(job: str, task: int) -> str | None:
+    """The `host:port` of task `task` of `job` in the connected cluster, or `None`."""
+    server_def = context.get_server_def()
+    if server_def is None:
+        return None
+    for declared in server_def.cluster.job:
+        if declared.name == job:
+            return declared.tasks.get(task)
+    return None
 
 
 def ps_task_alive(ps_task: int) -> bool:

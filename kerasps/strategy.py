@@ -248,7 +248,6 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         num_ps = len(cluster_resolver.cluster_spec().as_dict()["ps"])
         placement_lib.get_placer(placement, num_ps)  # validate before connecting
         _keras.install()
-        _tf.serialise_cluster_calls()
         first_connection = not _tf.connected()
         super().__init__(cluster_resolver, variable_partitioner=None)
         if first_connection:

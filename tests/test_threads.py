@@ -37,6 +37,38 @@ watcher.join()
 print("DONE", polls[0] > 0)
 """
 
+POLL_DURING_A_BLOCKED_RECONNECT = """
+import threading
+import kerasps
+from kerasps import _tf
+from tensorflow.python.eager import context
+
+strategy = kerasps.ParameterServerStrategy(kerasps.cluster.in_process(num_workers=2, num_ps=1))
+coordinator = kerasps.ClusterCoordinator(strategy)
+entered, release = threading.Event(), threading.Event()
+update = context.pywrap_tfe.TFE_ContextUpdateServerDef
+
+def waits_for_a_worker_gone_for_good(*args):  # TensorFlow's first RPC blocks until it answers
+    entered.set()
+    release.wait()
+    return update(*args)
+
+context.pywrap_tfe.TFE_ContextUpdateServerDef = waits_for_a_worker_gone_for_good
+reconnect = threading.Thread(target=_tf.reconnect_cluster, args=(coordinator._tf_coordinator,))
+reconnect.start()
+assert entered.wait(60)
+answers = []
+poll = threading.Thread(target=lambda: answers.append(coordinator.running_workers()),
+                        daemon=True)
+poll.start()
+poll.join(30)  # a deadline: the poll must not wait for the reconnection
+in_time = list(answers)
+release.set()
+reconnect.join()
+print("answers before the reconnection ended", in_time)
+print("DONE", in_time == [[0, 1]])
+"""
+
 FIT_AND_EVALUATE = """
 import sys
 import keras, numpy as np, tensorflow as tf, kerasps
@@ -73,8 +105,16 @@ def run_chief(program, *args, timeout=600):
 
 def test_liveness_polls_during_context_updates_do_not_crash_the_chief():
     """TensorFlow's `check_alive` reads the worker cache that `update_server_def` frees
-    and replaces: from two threads at once the chief died with SIGSEGV (6 runs in 6)."""
+    and replaces: when the pool's polls used it, the chief died with SIGSEGV (6 runs
+    in 6). Polls now connect to the workers' ports and leave the context alone."""
     run_chief(POLLS_DURING_RECONNECTS)
+
+
+def test_liveness_polls_answer_while_a_reconnection_waits_for_a_worker():
+    """TensorFlow's failure handler reconnects with `update_server_def`, which waits until
+    every worker answers: a poll serialised behind it never returned while a worker was
+    gone for good, and neither did `fit` (its watcher thread is joined at the end)."""
+    run_chief(POLL_DURING_A_BLOCKED_RECONNECT, timeout=300)
 
 
 @pytest.mark.stress
