@@ -65,7 +65,9 @@ class InputOptions:
             everything), with the meanings of `tf.data.experimental.AutoShardPolicy`.
             `None` (default): `"auto"` for a `tf.data.Dataset` or arrays, `"off"`
             for a `dataset_fn`, which shards its dataset itself with its
-            `kerasps.InputContext`.
+            `kerasps.InputContext`. `evaluate` and `predict` of a
+            `DatasetCreator` split its one pipeline: by `"data"` (`evaluate`
+            also by `"file"` or `"auto"` when asked).
         service: the address (`"grpc://host:port"`) of a running tf.data
             service dispatcher to serve `exactly_once` input through. `None`
             (default): kerasps starts a dispatcher and a data worker in the
@@ -167,8 +169,13 @@ class DatasetCreator:
 
     Args:
         dataset_fn: a callable taking a `kerasps.InputContext` and returning
-            a `tf.data.Dataset`. It runs once per worker when the input is
-            first used; it must not create variables.
+            a `tf.data.Dataset`. For training it runs once per worker when the
+            input is first used; `evaluate` and `predict` call it once, on the
+            coordinator, with `InputContext(num_input_pipelines=1,
+            input_pipeline_id=0)`, and each worker keeps every
+            `num_workers`-th batch of that one pipeline, so each batch is
+            counted once whether or not `dataset_fn` shards by its context.
+            It must not create variables.
         input_options: a `kerasps.InputOptions` (`exactly_once`,
             `shard_policy`), or TensorFlow's `tf.distribute.InputOptions`, whose
             device-placement fields do not apply to parameter-server workers.
