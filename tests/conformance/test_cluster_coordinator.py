@@ -782,10 +782,6 @@ def test_per_worker_iterators_have_a_type_spec_to_trace_with(strategy, coordinat
     assert len(calls) == strategy.num_workers
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "found by the conformance port: kerasps' per-worker dataset has no `build()` "
-    "(TensorFlow's creates each worker's dataset without an iterator, used by tf_keras' "
-    "exact evaluation); AttributeError"))
 def test_per_worker_dataset_build_gives_each_worker_its_dataset(coordinator):
     """testPerWorkerDatasetBuild."""
 
@@ -794,10 +790,7 @@ def test_per_worker_dataset_build_gives_each_worker_its_dataset(coordinator):
         return next(iter(dataset))
 
     dataset = tf.data.Dataset.from_tensor_slices([1, 2])
-    try:
-        built = coordinator.create_per_worker_dataset(dataset).build()
-    except AttributeError as error:
-        fail_without_traceback(error)
+    built = coordinator.create_per_worker_dataset(dataset).build()
     result = coordinator.schedule(first, args=(built,))
     coordinator.join()
     assert int(result.fetch()) == 1
