@@ -34,6 +34,15 @@ def workers(tf_coordinator):
     return tf_coordinator._cluster.workers
 
 
+def register_dispatchable_type(cls):
+    """Lets `tf.experimental.dispatch_for_api` dispatch on `cls`, which is no
+    `tf.CompositeTensor` (TensorFlow only checks signatures for arguments of
+    registered types)."""
+    from tensorflow.python.util import dispatch
+
+    return dispatch.register_dispatchable_type(cls)
+
+
 def get_iterator_spec(strategy, dataset):
     return input_lib.get_iterator_spec_from_dataset(strategy, dataset)
 

@@ -209,7 +209,8 @@ class ClusterCoordinator:
 
         Returns:
             A `PerWorkerDataset`; `iter()` of it gives the per-worker iterators
-            to pass to `schedule`.
+            to pass to `schedule`, its `build()` each worker's dataset (to
+            iterate inside the scheduled function), as TensorFlow's does.
         """
         return input_lib.PerWorkerDataset(self._strategy, self._tf_coordinator, dataset_fn)
 

@@ -65,7 +65,9 @@ class InputOptions:
             everything), with the meanings of `tf.data.experimental.AutoShardPolicy`.
             `None` (default): `"auto"` for a `tf.data.Dataset` or arrays, `"off"`
             for a `dataset_fn`, which shards its dataset itself with its
-            `kerasps.InputContext`.
+            `kerasps.InputContext`. `evaluate` and `predict` of a
+            `DatasetCreator` split its one pipeline: by `"data"` (`evaluate`
+            also by `"file"` or `"auto"` when asked).
         service: the address (`"grpc://host:port"`) of a running tf.data
             service dispatcher to serve `exactly_once` input through. `None`
             (default): kerasps starts a dispatcher and a data worker in the
@@ -167,8 +169,13 @@ class DatasetCreator:
 
     Args:
         dataset_fn: a callable taking a `kerasps.InputContext` and returning
-            a `tf.data.Dataset`. It runs once per worker when the input is
-            first used; it must not create variables.
+            a `tf.data.Dataset`. For training it runs once per worker when the
+            input is first used; `evaluate` and `predict` call it once, on the
+            coordinator, with `InputContext(num_input_pipelines=1,
+            input_pipeline_id=0)`, and each worker keeps every
+            `num_workers`-th batch of that one pipeline, so each batch is
+            counted once whether or not `dataset_fn` shards by its context.
+            It must not create variables.
         input_options: a `kerasps.InputOptions` (`exactly_once`,
             `shard_policy`), or TensorFlow's `tf.distribute.InputOptions`, whose
             device-placement fields do not apply to parameter-server workers.
@@ -471,18 +478,51 @@ class PerWorkerDataset:
             function = tf.function(python_fn).get_concrete_function()
         return function
 
+    def _worker_functions(self, call):
+        if not tf.executing_eagerly():
+            raise RuntimeError(
+                f"`{call}` of a per-worker dataset must be called eagerly, on the "
+                "coordinator, not inside a `tf.function`.")
+        return self._functions if self._served is None else [
+            self._trace(self._served.epoch(), 0)] * self._strategy.num_workers
+
+    def build(self):
+        """Creates each worker's dataset, without an iterator, as TensorFlow's
+        `PerWorkerDataset.build()` does.
+
+        ```python
+        @tf.function
+        def first(dataset):
+            return next(iter(dataset))
+
+        datasets = coordinator.create_per_worker_dataset(dataset_fn).build()
+        coordinator.schedule(first, args=(datasets,))
+        ```
+
+        Returns:
+            Per-worker values for `schedule`: each scheduled function receives
+            the dataset of the worker that runs it (a `tf.data.Dataset`, or for
+            a dataset function the distributed dataset TensorFlow's `build()`
+            gives), to iterate there (every `iter()` inside the function starts
+            that dataset again). With
+            `exactly_once`, every `build()` starts a new pass over the data (a
+            tf.data service job) that the workers share.
+        """
+        remote_datasets = []
+        for worker, function in zip(_tf.workers(self._coordinator),
+                                    self._worker_functions("build()")):
+            remote = worker.create_resource(lambda f=function: f())
+            remote._type_spec = tf.type_spec_from_value(function.structured_outputs)
+            remote_datasets.append(remote)
+        return _tf.PerWorkerValues(tuple(remote_datasets))
+
     def __iter__(self):
         """Each worker's iterator, as per-worker values for `schedule`.
 
         With `exactly_once`, every `iter()` starts a new pass over the data
         (a tf.data service job) that the workers share.
         """
-        if not tf.executing_eagerly():
-            raise RuntimeError(
-                "`iter()` of a per-worker dataset must be called eagerly, on the "
-                "coordinator, not inside a `tf.function`.")
-        functions = self._functions if self._served is None else [
-            self._trace(self._served.epoch(), 0)] * self._strategy.num_workers
+        functions = self._worker_functions("iter()")
         remote_iterators = []
         for worker, function in zip(_tf.workers(self._coordinator), functions):
             remote = worker.create_resource(lambda f=function: iter(f()))

@@ -16,7 +16,10 @@ ps task chosen by the placement policy.
   `get_weights()` see whole variables (`logical_variables`), so they move
   between any numbers of shards and single-process Keras.
 * `ops.take(variable, ids, axis=0)` (what `keras.layers.Embedding` calls)
-  gathers on each shard's ps task and moves only the rows a batch touches.
+  gathers on each shard's ps task and moves only the rows a batch touches;
+  so do `tf.nn.embedding_lookup`, `tf.nn.embedding_lookup_sparse` and
+  `tf.nn.safe_embedding_lookup_sparse` of a `ShardedVariable` (registered with
+  `tf.experimental.dispatch_for_api`, as TensorFlow does for its own).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasps import _keras
+from kerasps import _keras, _tf
 from kerasps import partitioners as partitioners_lib
 
 __all__ = ["ShardedVariable", "creating", "no_partitioning", "current_creation",
@@ -499,3 +502,44 @@ def logical_variables(variables):
 
 def nbytes(shape, dtype) -> int:
     return math.prod(tuple(shape)) * partitioners_lib.element_bytes(dtype)
+
+
+# -- tf.nn embedding lookups of a ShardedVariable ----------------------------------------
+# As for TensorFlow's own ShardedVariable (which registers the same dispatches), the
+# lookups gather on each shard's ps task instead of reading the table whole (or failing:
+# the sparse lookups colocate with `params[0].device`). Shards are TensorFlow's "div"
+# partitioning, which is what the `tf.nn` (v2) lookups assume of a list of tensors.
+_tf.register_dispatchable_type(ShardedVariable)
+
+
+def _shard_values(variable):
+    return [shard.value for shard in variable.shards]
+
+
+@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": ShardedVariable})
+def _embedding_lookup(params, ids, max_norm=None, name=None):
+    """`tf.nn.embedding_lookup(sharded_variable, ids)`: `ShardedVariable.lookup`."""
+    if max_norm is not None:
+        return tf.nn.embedding_lookup(_shard_values(params), ids, max_norm=max_norm,
+                                      name=name)
+    with tf.name_scope(name or "embedding_lookup"):
+        return params.lookup(ids)
+
+
+@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup_sparse, {"params": ShardedVariable})
+def _embedding_lookup_sparse(params, sp_ids, sp_weights, combiner=None, max_norm=None,
+                             name=None, allow_fast_lookup=False):
+    return tf.nn.embedding_lookup_sparse(
+        _shard_values(params), sp_ids, sp_weights, combiner=combiner, max_norm=max_norm,
+        name=name, allow_fast_lookup=allow_fast_lookup)
+
+
+@tf.experimental.dispatch_for_api(tf.nn.safe_embedding_lookup_sparse,
+                                  {"embedding_weights": ShardedVariable})
+def _safe_embedding_lookup_sparse(embedding_weights, sparse_ids, sparse_weights=None,
+                                  combiner="mean", default_id=None, max_norm=None, name=None,
+                                  allow_fast_lookup=False):
+    return tf.nn.safe_embedding_lookup_sparse(
+        _shard_values(embedding_weights), sparse_ids, sparse_weights, combiner=combiner,
+        default_id=default_id, max_norm=max_norm, name=name,
+        allow_fast_lookup=allow_fast_lookup)

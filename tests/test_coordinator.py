@@ -89,6 +89,28 @@ def test_each_worker_gets_its_own_input_pipeline_id(strategy):
     assert "input_pipeline_id=" in str(contexts[0])
 
 
+def test_build_gives_each_scheduled_function_its_workers_dataset(strategy):
+    coordinator = kerasps.ClusterCoordinator(strategy)
+
+    def dataset_fn(context):  # worker i: [10 i, 10 i + 1, 10 i + 2]
+        return tf.data.Dataset.range(3).map(lambda v: v + 10 * context.input_pipeline_id)
+
+    @tf.function
+    def total(dataset):  # iterates the whole dataset inside the function
+        return (dataset.reduce(tf.constant(0, tf.int64), lambda a, b: a + b),
+                tf.distribute.coordinator.experimental_get_current_worker_index())
+
+    per_worker = coordinator.create_per_worker_dataset(kerasps.DatasetCreator(dataset_fn))
+    datasets = per_worker.build()
+    results = [coordinator.schedule_on(w, total, args=(datasets,)) for w in (0, 1, 0, 1)]
+    coordinator.join()
+    pairs = [tuple(int(v) for v in r.fetch()) for r in results]
+    # Each call reads its worker's dataset from the start, however often it is used.
+    assert pairs == [(3, 0), (33, 1), (3, 0), (33, 1)]
+    with pytest.raises(RuntimeError, match=r"`build\(\)` of a per-worker dataset must be"):
+        tf.function(per_worker.build)()
+
+
 def test_a_plain_dataset_is_read_whole_by_every_worker(strategy):
     coordinator = kerasps.ClusterCoordinator(strategy)
     iterator = iter(coordinator.create_per_worker_dataset(tf.data.Dataset.range(3).repeat()))

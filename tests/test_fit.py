@@ -296,12 +296,16 @@ def test_initial_epoch_skips_earlier_epochs(strategy):
 
 def test_evaluate_visits_each_element_of_finite_datasets_once(strategy):
     model = build(strategy, metrics=[ExampleCount], steps_per_execution=3)
+    contexts = []
 
-    def finite_fn(context):
-        return regression_fn(context, rows=40 + 8 * context.input_pipeline_id, repeat=False)
+    def finite_fn(context):  # one pipeline: called once, with InputContext(1, 0)
+        contexts.append((context.num_input_pipelines, context.input_pipeline_id))
+        return regression_fn(context, rows=88, repeat=False).shard(
+            context.num_input_pipelines, context.input_pipeline_id)
 
     logs = model.evaluate(kerasps.DatasetCreator(finite_fn), verbose=0, return_dict=True)
-    assert logs["examples"] == 40 + 48
+    assert logs["examples"] == 88
+    assert set(contexts) == {(1, 0)}
     assert set(logs) == {"loss", "examples"}
     flat = model.evaluate(kerasps.DatasetCreator(finite_fn), steps=4, verbose=0)
     assert flat[1] == 4 * BATCH

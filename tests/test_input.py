@@ -230,7 +230,8 @@ def twin(strategy):
     return model, plain
 
 
-@pytest.mark.parametrize("how", ["arrays", "dataset", "exactly_once_dataset", "creator"])
+@pytest.mark.parametrize("how", ["arrays", "dataset", "exactly_once_dataset", "creator",
+                                 "creator_ignoring_context", "creator_sharding_by_context"])
 def test_evaluate_counts_every_example_once_and_matches_keras(strategy, how):
     model, plain = twin(strategy)
     x, y = features()
@@ -242,6 +243,11 @@ def test_evaluate_counts_every_example_once_and_matches_keras(strategy, how):
         "exactly_once_dataset": lambda: dict(x=strategy.experimental_distribute_dataset(
             dataset, options=kerasps.InputOptions(exactly_once=True))),
         "creator": lambda: dict(x=once(lambda context: dataset)),
+        "creator_ignoring_context": lambda: dict(x=kerasps.DatasetCreator(
+            lambda context: tf.data.Dataset.from_tensor_slices((x, y)).batch(10))),
+        "creator_sharding_by_context": lambda: dict(x=kerasps.DatasetCreator(
+            lambda context: tf.data.Dataset.from_tensor_slices((x, y)).batch(10).shard(
+                context.num_input_pipelines, context.input_pipeline_id))),
     }[how]()
     result = model.evaluate(verbose=0, return_dict=True, **data)
     for name in ("loss", "mae", "total"):
@@ -357,16 +363,18 @@ def test_shard_policies_of_a_dataset(strategy, record_files, policy, reads):
     assert evaluate_visits(strategy, data) == reads  # "off": both workers read everything
 
 
-def test_shard_policy_file_of_a_dataset_creator_splits_its_files(strategy, record_files):
+def test_shard_policy_file_of_an_evaluated_dataset_creator_splits_its_files(
+        strategy, record_files):
     seen = []
 
     def dataset_fn(context):
-        seen.append(context.input_pipeline_id)
+        seen.append((context.num_input_pipelines, context.input_pipeline_id))
         return files_dataset(record_files)
 
     data = kerasps.DatasetCreator(dataset_fn, kerasps.InputOptions(shard_policy="file"))
+    # Evaluation reads one pipeline, its files split among the workers: each id once.
     assert evaluate_visits(strategy, data) == 100
-    assert set(seen) >= {0, 1}
+    assert set(seen) == {(1, 0)}
 
 
 def test_shard_policy_file_with_fewer_files_than_workers_names_both_counts(

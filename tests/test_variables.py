@@ -115,6 +115,45 @@ def test_lookup_returns_the_rows_of_the_whole_table(strategy):
                                   table[[-1]])
 
 
+@pytest.mark.parametrize("lookup", ["dense", "dense_max_norm", "sparse", "safe_sparse"])
+def test_tf_nn_embedding_lookups_of_a_sharded_variable_match_the_whole_table(strategy, lookup):
+    table = np.arange(14, dtype="float32").reshape(7, 2) - 5
+    with strategy.scope():
+        variable = keras.Variable(table)
+    assert isinstance(variable, kerasps.ShardedVariable)
+    ids = tf.constant([[6, 0], [3, 3]])
+    indices = [[0, 0], [0, 1], [1, 0], [1, 1]]
+    sparse_ids = tf.sparse.SparseTensor(indices, tf.constant([6, 0, 3, 3], tf.int64), [2, 2])
+    weights = tf.sparse.SparseTensor(indices, [1.0, 2.0, 1.0, 0.5], [2, 2])
+
+    def run(params):
+        if lookup == "dense":
+            return tf.nn.embedding_lookup(params, ids)
+        if lookup == "dense_max_norm":
+            return tf.nn.embedding_lookup(params, ids, max_norm=3.0)
+        if lookup == "sparse":
+            return tf.nn.embedding_lookup_sparse(params, sparse_ids, weights, combiner="sum")
+        return tf.nn.safe_embedding_lookup_sparse(params, sparse_ids, weights)
+
+    def weighted_sum(result):  # a loss whose gradient differs from row to row
+        return tf.reduce_sum(result * tf.reshape(
+            tf.range(1.0, 1.0 + tf.cast(tf.size(result), tf.float32)), tf.shape(result)))
+
+    with tf.GradientTape() as tape:  # eagerly on the coordinator
+        result = run(variable)
+        loss = weighted_sum(result)
+    whole = tf.Variable(table)
+    with tf.GradientTape() as whole_tape:
+        expected = run(whole)
+        whole_loss = weighted_sum(expected)
+    np.testing.assert_allclose(result, expected, rtol=1e-6)
+    # Each shard gets the rows of the whole table's gradient that it holds.
+    gradients = tape.gradient(loss, variable.shards)
+    np.testing.assert_allclose(
+        np.concatenate([tf.convert_to_tensor(g).numpy() for g in gradients]),
+        tf.convert_to_tensor(whole_tape.gradient(whole_loss, whole)).numpy(), rtol=1e-6)
+
+
 def test_assign_splits_values_across_shards(strategy):
     with strategy.scope():
         variable = keras.Variable(initializer="zeros", shape=(5, 2), name="split_me")

@@ -64,15 +64,18 @@ A compiled model need not be built first: `fit`, `evaluate` and the
 
 `evaluate` and `predict` without `steps` run until every worker's dataset is
 exhausted, visiting each element once. `predict` returns each of the input's
-first `steps` batches (all of them without `steps`) once, in input order. It
-reads one pipeline whatever the input, as tf_keras' `predict` did: a
-`DatasetCreator`'s `dataset_fn` is called once, on the coordinator, with
+first `steps` batches (all of them without `steps`) once, in input order. Both
+read one pipeline whatever the input, as tf_keras' did: a `DatasetCreator`'s
+`dataset_fn` is called once, on the coordinator, with
 `InputContext(num_input_pipelines=1, input_pipeline_id=0)` (kerasps cannot tell
 whether a `dataset_fn` shards by its context; one that ignores it would give
-every worker the same batches). Every worker runs that pipeline and keeps
-batches `k` with `k % num_workers == i`; the function for batch `k` runs on
-worker `k % num_workers`. The pipeline must yield the same batches in the same
-order on every worker (no unseeded shuffling).
+every worker the same batches, counted once per worker). Every worker runs that
+pipeline and keeps batches `k` with `k % num_workers == i`; for `predict` the
+function for batch `k` runs on worker `k % num_workers`. (`evaluate`, and
+`fit`'s `validation_data`, split it by files instead with
+`kerasps.InputOptions(shard_policy="file")` or `"auto"`, and serve it through
+the tf.data service with `exactly_once=True`.) The pipeline must yield the same
+batches in the same order on every worker (no unseeded shuffling).
 """
 
 from __future__ import annotations

@@ -62,23 +62,32 @@ def make_source(x, y, sample_weight, batch_size, shuffle, training, strategy, ar
     without `steps` are read exactly once per epoch (`kerasps.InputOptions(exactly_once=True)`)
     unless `strategy.experimental_distribute_dataset(x, options)` says
     otherwise; for evaluation each worker reads its shard to the end (also
-    once). Prediction reads one pipeline: a `DatasetCreator`'s `dataset_fn` is
-    called once, with `InputContext(num_input_pipelines=1, input_pipeline_id=0)`
-    (as tf_keras' `predict` called it), and, like a dataset or arrays, each
+    once). Evaluation and prediction read one pipeline: a `DatasetCreator`'s
+    `dataset_fn` is called once, with
+    `InputContext(num_input_pipelines=1, input_pipeline_id=0)` (as tf_keras'
+    `evaluate` and `predict` called it), so one that shards by its context and
+    one that ignores it count each batch once. Like a dataset or arrays, each
     worker runs that pipeline and keeps every `num_workers`-th batch
-    (`shard_policy="data"`), the order its results are put back in.
+    (`shard_policy="data"`; for evaluation also `"file"` or `"auto"` if the
+    creator's options ask for them, or one tf.data service job with
+    `exactly_once`); prediction puts its results back in that order.
     """
     x, distributed_options = input_lib.unwrap_distributed(x, arg)
+    creator = None
     if isinstance(x, input_lib.DatasetCreator) or (
             callable(x) and not isinstance(x, tf.data.Dataset) and not is_array_like(x)):
         _require_none_with_batches("`DatasetCreator`", arg, y=y, sample_weight=sample_weight,
                                    batch_size=batch_size)
         creator = x if isinstance(x, input_lib.DatasetCreator) else input_lib.DatasetCreator(x)
-        if not predicting:
+        if training:
             return Source(creator, options=creator.input_options, creator=creator)
-        # Prediction reads one pipeline, as tf_keras' predict did: per-worker pipelines
-        # of a `dataset_fn` that ignores its context would each yield the same batches.
+        # Evaluation and prediction read one pipeline, as tf_keras' did: per-worker
+        # pipelines of a `dataset_fn` that ignores its context would each yield the same
+        # batches (counted, or predicted, once per worker).
         x = input_lib.whole_dataset(strategy, creator)
+        distributed_options = single_pipeline_options(creator.input_options)
+        if predicting:
+            creator = None  # nothing to keep: prediction rebuilds its pipelines
 
     if isinstance(x, tf.data.Dataset):
         _require_none_with_batches("`tf.data.Dataset`", arg, y=y, sample_weight=sample_weight,
@@ -116,7 +125,7 @@ def make_source(x, y, sample_weight, batch_size, shuffle, training, strategy, ar
         options = input_lib.InputOptions(shard_policy="data")
     if options.exactly_once:
         return Source(lambda _: _tf.deserialize_dataset(graph, spec), total_batches=total,
-                      options=options)
+                      options=options, creator=creator)
     policy = input_lib.resolve_shard_policy(dataset, options.shard_policy or "auto",
                                             strategy.num_workers)
 
@@ -125,7 +134,24 @@ def make_source(x, y, sample_weight, batch_size, shuffle, training, strategy, ar
         return input_lib.shard(batches, policy, context.num_input_pipelines,
                                context.input_pipeline_id)
 
-    return Source(dataset_fn, total_batches=total)  # sharded here: no options for workers
+    # Sharded here: no options for workers. An evaluated `DatasetCreator` keeps its
+    # pipelines per coordinator (see `per_worker_dataset`).
+    return Source(dataset_fn, total_batches=total, creator=creator)
+
+
+def single_pipeline_options(options):
+    """The `kerasps.InputOptions` that split the one pipeline of an evaluated
+    `DatasetCreator` among the workers: `exactly_once` is kept; otherwise each
+    worker keeps every `num_workers`-th batch (`"data"`) unless the creator asks
+    for `"file"` or `"auto"`. `"off"` (a `dataset_fn`'s default: it shards by its
+    context) would give every worker all of it, so it becomes `"data"` too.
+    """
+    options = input_lib.as_input_options(options)
+    if options.exactly_once:
+        return options
+    if options.shard_policy in ("file", "auto"):
+        return input_lib.InputOptions(shard_policy=options.shard_policy)
+    return input_lib.InputOptions(shard_policy="data")
 
 
 _TRANSFORMS = {
@@ -149,8 +175,8 @@ def per_worker_dataset(coordinator, source, purpose):
 
     The pipelines of a `DatasetCreator` are traced once per coordinator and
     purpose and reused by later `fit`/`evaluate` calls (each call still starts
-    fresh iterators); pass a new `DatasetCreator` to rebuild them. (`predict`
-    reads a single pipeline, see `make_source`.)
+    fresh iterators); pass a new `DatasetCreator` to rebuild them. (`evaluate`
+    and `predict` read a single pipeline, see `make_source`.)
     """
     cache = coordinator._dataset_cache.setdefault(source.creator, {}) if (
         source.creator is not None) else {}

@@ -40,7 +40,6 @@ import pytest
 import tensorflow as tf
 
 import kerasps
-from tests.conformance.support import fail_without_traceback
 
 CLOSURE_INPUT_ERROR = "ClosureInputError"  # TensorFlow's; not exported under `tf.`
 
@@ -501,10 +500,6 @@ def test_tf_nn_embedding_lookup_of_a_sharded_variable_returns_its_rows(table):
     np.testing.assert_array_equal(coordinator.schedule(lookup).fetch(), TABLE[IDS])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "found by the conformance port: tf.nn.embedding_lookup of a kerasps.ShardedVariable "
-    "reads every shard whole (3 ReadVariableOp, 0 ResourceGather) instead of gathering "
-    "on each shard as TensorFlow's ShardedVariable does; ops.take does gather per shard"))
 def test_tf_nn_embedding_lookup_of_a_sharded_variable_gathers_on_each_shard(table):
     """testEmbeddingLookup's graph check, for `tf.nn.embedding_lookup`."""
     variable, _ = table
@@ -513,15 +508,9 @@ def test_tf_nn_embedding_lookup_of_a_sharded_variable_gathers_on_each_shard(tabl
     def lookup():
         return tf.nn.embedding_lookup(variable, tf.constant(IDS))
 
-    counts = graph_op_counts(lookup)
-    if counts != (3, 0):
-        fail_without_traceback(f"(ResourceGather, ReadVariableOp) = {counts}, expected (3, 0)")
+    assert graph_op_counts(lookup) == (3, 0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "found by the conformance port: tf.nn.embedding_lookup_sparse and "
-    "safe_embedding_lookup_sparse of a kerasps.ShardedVariable raise AttributeError "
-    "(\"'ShardedVariable' object has no attribute 'device'\")"))
 @pytest.mark.parametrize("kind", ["sparse", "safe_sparse"])
 def test_sparse_embedding_lookups_of_a_sharded_variable(table, kind):
     """testEmbeddingLookup's sparse and safe sparse lookups."""
@@ -542,11 +531,8 @@ def test_sparse_embedding_lookups_of_a_sharded_variable(table, kind):
     function = {"sparse": sparse, "safe_sparse": safe_sparse}[kind]
     expected = {"sparse": [[4.0, 5.0], [9.0, 10.0], [3.0, 4.0]],
                 "safe_sparse": [[1.0, 2.0], [0.0, 0.0], [3.0, 4.0]]}[kind]
-    try:
-        result = coordinator.schedule(function).fetch()
-    except AttributeError as error:
-        fail_without_traceback(error)
-    np.testing.assert_allclose(result, expected)
+    assert graph_op_counts(function) == (3, 0)  # a gather on each shard
+    np.testing.assert_allclose(coordinator.schedule(function).fetch(), expected)
 
 
 # -- StrategyIntegrationTest -----------------------------------------------------
@@ -782,10 +768,6 @@ def test_per_worker_iterators_have_a_type_spec_to_trace_with(strategy, coordinat
     assert len(calls) == strategy.num_workers
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "found by the conformance port: kerasps' per-worker dataset has no `build()` "
-    "(TensorFlow's creates each worker's dataset without an iterator, used by tf_keras' "
-    "exact evaluation); AttributeError"))
 def test_per_worker_dataset_build_gives_each_worker_its_dataset(coordinator):
     """testPerWorkerDatasetBuild."""
 
@@ -794,10 +776,7 @@ def test_per_worker_dataset_build_gives_each_worker_its_dataset(coordinator):
         return next(iter(dataset))
 
     dataset = tf.data.Dataset.from_tensor_slices([1, 2])
-    try:
-        built = coordinator.create_per_worker_dataset(dataset).build()
-    except AttributeError as error:
-        fail_without_traceback(error)
+    built = coordinator.create_per_worker_dataset(dataset).build()
     result = coordinator.schedule(first, args=(built,))
     coordinator.join()
     assert int(result.fetch()) == 1

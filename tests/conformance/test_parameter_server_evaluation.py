@@ -38,7 +38,6 @@ import pytest
 import tensorflow as tf
 
 import kerasps
-from tests.conformance.support import fail_without_traceback
 
 
 class ExampleCount(keras.metrics.Metric):
@@ -166,18 +165,12 @@ def test_distributed_evaluation_is_exact(strategy, kind, where):
     assert logs == pytest.approx(EXPECTED)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "found by the conformance port (sibling of issue 17 defect 2): evaluate of a "
-    "DatasetCreator whose dataset_fn ignores its InputContext reads the data once per "
-    "worker: every example counted num_workers times (ratios hide it, sums do not), "
-    "where tf_keras' exact evaluation counts it once"))
 def test_evaluate_of_a_dataset_creator_that_ignores_its_context_counts_each_example_once(
         strategy):
     """testDistributedModelEvaluation's `dataset_creator` input as tf_keras writes it."""
     model = compile_always_true(strategy)
     logs = model.evaluate(kerasps.DatasetCreator(binary_dataset), verbose=0, return_dict=True)
-    if logs != pytest.approx(EXPECTED):
-        fail_without_traceback(f"logs {logs}, expected {EXPECTED}")
+    assert logs == pytest.approx(EXPECTED)
 
 
 def test_evaluate_of_an_endless_dataset_needs_steps(strategy):
