@@ -1,5 +1,6 @@
 """Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s notebooks`, `nox -s slow`,
-`nox -s stress`, `nox -s benchmarks`, `nox -s demo`. Each runs in a fresh virtual environment."""
+`nox -s stress`, `nox -s benchmarks`, `nox -s demo`, `nox -s docs`. Each runs in a fresh
+virtual environment."""
 
 import nox
 
@@ -21,6 +22,16 @@ def lint(session):
     session.install("ruff>=0.6")
     session.run("ruff", "check", "kerasps", "simulator", "tests", "benchmarks", "tutorials",
                 "noxfile.py")
+
+
+@nox.session(python=PYTHON)
+def docs(session):
+    """The documentation site (`site/`), `mkdocs build --strict`: a broken link, a stale API
+    name or a docstring mkdocstrings rejects fails. Installs the `docs` extra's packages
+    only: the API reference is read from the source (griffe), without TensorFlow."""
+    extras = nox.project.load_toml("pyproject.toml")["project"]["optional-dependencies"]
+    session.install(*extras["docs"])
+    session.run("mkdocs", "build", "--strict", *session.posargs)
 
 
 @nox.session(python=PYTHON)

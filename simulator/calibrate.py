@@ -362,8 +362,8 @@ def predict_elastic_throughput(trace, *, workers: int, events, duration: float,
         events: `(time, change)` pairs: `change` workers join (> 0) or leave
             (< 0) `time` seconds after the start, in time order.
         duration: seconds to simulate (the end of the last phase).
-        cpus, cores_per_step: as for `calibrate` (workers sharing this machine
-            by default).
+        cpus: as for `calibrate` (workers sharing this machine by default).
+        cores_per_step: as for `calibrate`.
         seed: simulation seed.
 
     Returns:
@@ -458,7 +458,8 @@ def predict_goodput(recovery_times: dict, kill_schedule, fault_free_wall: float,
         fault_free_wall: seconds the job takes without faults, start-up included.
         training_time: seconds of training in the fault-free job (first to last step).
         steps: steps the job trains.
-        workers, ps: the job's tasks.
+        workers: the job's workers.
+        ps: the job's ps tasks.
         checkpoint_every: steps between backups (0: none, a kill goes back to the start).
         seed: simulation seed.
 

@@ -1,0 +1,93 @@
+"""MkDocs hooks for kerasps' documentation (`mkdocs build --strict`).
+
+* The tutorial notebooks are published beside the docs, so that `docs/tutorials.md`
+  links to them and the build checks those links.
+* Every backticked API name in a page (`kerasps.cluster.from_tf_config`,
+  `simulator.calibrate.predict_goodput`) must name something in the code, and every
+  backticked repository path (`kerasps/sparse.py`, `tutorials/03_....ipynb`) must exist:
+  a stale name is a warning, which `--strict` turns into a failed build. Names are
+  looked up statically (griffe), without importing TensorFlow.
+"""
+
+import ast
+import logging
+import re
+from functools import cache
+from pathlib import Path
+
+import griffe
+from mkdocs.structure.files import File
+
+ROOT = Path(__file__).parent
+PACKAGES = ("kerasps", "simulator")
+log = logging.getLogger("mkdocs.hooks.kerasps")
+
+API_NAME = re.compile(r"`((?:kerasps|simulator)(?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
+REPO_PATH = re.compile(r"`((?:kerasps|simulator|benchmarks|tutorials|tests)/[A-Za-z0-9_./-]*)")
+
+
+def on_files(files, config):
+    """Adds `tutorials/*.ipynb` to the site, under `tutorials/`, as they are."""
+    for notebook in sorted((ROOT / "tutorials").glob("*.ipynb")):
+        files.append(File(f"tutorials/{notebook.name}", src_dir=str(ROOT),
+                          dest_dir=config["site_dir"],
+                          use_directory_urls=config["use_directory_urls"]))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    """Warns about backticked API names and repository paths that do not exist."""
+    for name in sorted(set(API_NAME.findall(markdown))):
+        if not _resolves(name):
+            log.warning("Doc file '%s' names `%s`, which is not in the code",
+                        page.file.src_uri, name)
+    for path in sorted(set(REPO_PATH.findall(markdown))):
+        if not (ROOT / path.rstrip("/")).exists():
+            log.warning("Doc file '%s' names `%s`, which is not in the repository",
+                        page.file.src_uri, path)
+    return markdown
+
+
+@cache
+def _module(dotted):
+    """The griffe module `dotted` if it is a module of the repository, else None."""
+    base = ROOT.joinpath(*dotted.split("."))
+    if not (base.with_suffix(".py").exists() or (base / "__init__.py").exists()):
+        return None
+    return griffe.load(dotted, search_paths=[str(ROOT)], resolve_aliases=False)
+
+
+@cache
+def _lazy(package):
+    """A package's `_LAZY` table (name -> module, or None for a submodule), if any."""
+    init = ROOT.joinpath(*package.split("."), "__init__.py")
+    if not init.exists():
+        return {}
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+                getattr(target, "id", None) == "_LAZY" for target in node.targets):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def _resolves(name):
+    parts = name.split(".")
+    # The longest prefix that is a module; the rest are members of it.
+    for cut in range(len(parts), 0, -1):
+        module = _module(".".join(parts[:cut]))
+        if module is None:
+            continue
+        rest = parts[cut:]
+        if not rest:
+            return True
+        lazy = _lazy(".".join(parts[:cut]))
+        if rest[0] in lazy and lazy[rest[0]] is not None:
+            return _resolves(".".join([lazy[rest[0]], *rest]))
+        if rest[0] in ("__all__", "__version__"):
+            return len(rest) == 1
+        try:
+            module[".".join(rest)]
+        except (KeyError, ValueError, griffe.AliasResolutionError, griffe.CyclicAliasError):
+            return False
+        return True
+    return False
