@@ -57,7 +57,7 @@ def stress(session):
 
 @nox.session(python=PYTHON)
 def benchmarks(session):
-    """The figures in the README: kerasps vs tf_keras throughput, embedding scaling, faults,
+    """The figures in docs/figures.md: kerasps vs tf_keras throughput, embedding scaling, faults,
     the chaos soak, simulator speed and calibration."""
     session.install(".[bench]")
     session.run("python", "benchmarks/fit_throughput.py", *session.posargs)

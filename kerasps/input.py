@@ -52,7 +52,7 @@ class InputOptions:
             asks next, so fast workers take more. An epoch ends when the data
             does (partial last batch included); `steps_per_epoch` may be
             omitted. A worker that fails loses the batches it had received
-            and not yet used (see the README's "Exactly-once epochs").
+            and not yet used (see docs/guide/input.md).
             `fit` given a finite `tf.data.Dataset` or arrays and no
             `steps_per_epoch` uses it unless told otherwise; `evaluate` and
             `predict` read each batch once either way.

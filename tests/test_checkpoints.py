@@ -192,7 +192,7 @@ def _batches(layer):
         return [(rng.normal(size=(4, 6)).astype("float32"),
                  rng.normal(size=(4, 3)).astype("float32")) for _ in range(2)]
     # No id twice in a batch: Keras' Adam squares a repeated row's gradient per
-    # occurrence, a sharded table sums the occurrences first (README, "Known limitations").
+    # occurrence, a sharded table sums the occurrences first (docs/limitations.md).
     return [(rng.permutation(9)[:8].reshape(4, 2).astype("int32"),
              rng.normal(size=(4, 1)).astype("float32")) for _ in range(2)]
 

@@ -225,7 +225,7 @@ def test_worker_killed_mid_exactly_once_fit_repeats_nothing_and_loses_its_fetche
         counts = job.wait_for(r"\[chief 0\] missed (\d+) repeated (\d+) reexecuted (\d+)")
         missed, repeated = int(counts.group(1)), int(counts.group(2))
         assert repeated == 0
-        assert missed <= 4 * 16  # the bound the README states
+        assert missed <= 4 * 16  # the bound docs/guide/input.md states
         assert job.finish() == 0, job.output()
     finally:
         job.close()

@@ -1,5 +1,5 @@
 """`kerasps launch --emit k8s`: the JobSet and the TFJob, validated against the schemas of
-the versions the README names, and the TF_CONFIG each JobSet pod resolves.
+the versions docs/guide/launching.md names, and the TF_CONFIG each JobSet pod resolves.
 
 The JobSet and TFJob CRDs' OpenAPI schemas are test data (tests/data/README.md says where
 from); the core kinds inside them (Job and pod templates) are validated with

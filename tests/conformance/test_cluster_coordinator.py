@@ -8,7 +8,7 @@ Deliberate differences (asserted as kerasps behaves, and said where):
 
 * A dataset *function* given to `create_per_worker_dataset` is traced once per worker
   (TensorFlow: once), because each worker's pipeline is built with that worker's own
-  `kerasps.InputContext` (README "What you can do": `input_pipeline_id` really is the
+  `kerasps.InputContext` (docs/guide/fit-evaluate-predict.md: `input_pipeline_id` really is the
   worker's index; `kerasps.DatasetCreator`: "It runs once per worker"). A
   `tf.data.Dataset` is still traced once.
 * TensorFlow schedules one closure per worker through its private tagged queues;

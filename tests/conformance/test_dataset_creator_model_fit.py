@@ -8,13 +8,13 @@ binary cross-entropy, `Accuracy`; a callback checking that epochs increase and `
 float). Each test names the cases it ports. Fewer epochs and steps than the source's 10 x 10,
 so that the folder stays fast.
 
-Deliberate differences, asserted as kerasps behaves (README.md, "What you can do" unless
+Deliberate differences, asserted as kerasps behaves (docs/guide/fit-evaluate-predict.md unless
 said otherwise):
 
-* `steps_per_epoch`/`steps` may be omitted for finite input (README "Exactly-once epochs":
-  "`steps_per_epoch` may be omitted"; "evaluate and predict without `steps` visit each
-  element of a finite dataset exactly once"). tf_keras requires them for a
-  `DatasetCreator`; kerasps still requires them for infinite input.
+* `steps_per_epoch`/`steps` may be omitted for finite input (docs/guide/input.md, "Exactly-once
+  epochs": "`steps_per_epoch` may be omitted"; "evaluate and predict without `steps` visit each
+  element of a finite dataset exactly once"). tf_keras requires them for a `DatasetCreator`;
+  kerasps still requires them for infinite input.
 * `steps_per_epoch=-1` (tf_keras under PSS: fails at run time with `OutOfRangeError` or
   `CancelledError`) is refused before any step with a Keras-style argument error; running
   finite data to its end is what omitting `steps_per_epoch` does.
@@ -25,7 +25,7 @@ said otherwise):
   2 under PSS).
 * `predict` returns outputs in input order ("`predict` returns outputs in input order"), so
   these tests compare every output with the model's own, not just which rows are equal.
-* `run_eagerly=True` is refused, as in tf_keras (README "Known limitations"); the message
+* `run_eagerly=True` is refused, as in tf_keras (docs/limitations.md); the message
   differs.
 
 Skipped, with why:

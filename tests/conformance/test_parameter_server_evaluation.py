@@ -9,14 +9,14 @@ processes that can die: those parts are in `test_evaluation_under_worker_failure
 Deliberate differences, asserted as kerasps behaves:
 
 * Exact evaluation is the default and has no switch: `evaluate` without `steps` reads each
-  element of finite input once (README "What you can do"), where tf_keras needs
+  element of finite input once (docs/guide/fit-evaluate-predict.md), where tf_keras needs
   `compile(pss_evaluation_shards=...)` (which Keras 3 does not have). So the `use_auto`
   axis of `testDistributedModelEvaluation` has nothing to vary.
-* Metrics live on the ps tasks and every worker updates them atomically (README "What you
-  can do"), so the kerasps way to aggregate a custom loop's evaluation is one metric created
-  under `strategy.scope()`; tf_keras clones a metric per closure and adds up their weights.
-  Both are asserted exact.
-* A `DatasetCreator`'s `dataset_fn` shards with its `InputContext` (README "Shard
+* Metrics live on the ps tasks and every worker updates them atomically
+  (docs/guide/fit-evaluate-predict.md), so the kerasps way to aggregate a custom loop's evaluation
+  is one metric created under `strategy.scope()`; tf_keras clones a metric per closure and adds up
+  their weights. Both are asserted exact.
+* A `DatasetCreator`'s `dataset_fn` shards with its `InputContext` (docs/guide/input.md, "Shard
   policies": the default for a `dataset_fn` is `"off"`, "which shards with its
   InputContext"); tf_keras' exact evaluation ignores the context and shards by closure.
   The tf_keras form (context ignored) is ported as an expected failure, see its test.

@@ -10,8 +10,9 @@ Differences that come from Keras 3, not kerasps: a Keras 3 layer tracks `keras.V
 `keras.Variable`; models are saved as `.keras` files (Keras 3 writes no SavedModel with
 `model.save`); optimizer slots are reached through `optimizer.variables` (Keras 3 has no
 `get_slot`). As in tf_keras, `model.variables` and a layer's weights list the shards
-(README "Sharded variables": "`model.trainable_variables` lists the shards (as `tf_keras`
-did)"), while checkpoints hold whole variables and whole optimizer slots (same section).
+(docs/guide/strategy-and-placement.md, "Sharded variables": "`model.trainable_variables` lists the
+shards (as `tf_keras` did)"), while checkpoints hold whole variables and whole optimizer slots
+(same section).
 
 Skipped, with why:
 
@@ -231,7 +232,7 @@ def test_optimizer_slots_of_shards_restore_from_a_checkpoint(strategy, tmp_path)
 
 def test_optimizer_slots_restore_into_another_number_of_shards(strategy, shards, tmp_path):
     """test_slot_variable_checkpoint_load_with_diff_shards: saved with 2 shards, restored
-    into 3 (its optimizer built first, README "Sharded variables")."""
+    into 3 (its optimizer built first, docs/guide/strategy-and-placement.md)."""
     variable, optimizer, train_step = adam_on(strategy, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
     train_step()
     before = slots(optimizer)
