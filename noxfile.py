@@ -11,7 +11,7 @@ PYTHON = "3.11"
 
 @nox.session(python=PYTHON)
 def tests(session):
-    """The README's test command: every test, notebooks included."""
+    """The README's test command: the default run (neither `slow` nor `stress`)."""
     session.install(".[test]")
     session.run("python", "-m", "pytest", *session.posargs)
 
@@ -43,7 +43,7 @@ def notebooks(session):
 
 @nox.session(python=PYTHON)
 def slow(session):
-    """Only the tests marked `slow` (also part of the default run and of CI)."""
+    """The tests marked `slow` (real-process clusters, failures, the tutorials); CI runs them."""
     session.install(".[test]")
     session.run("python", "-m", "pytest", "-m", "slow", *session.posargs)
 

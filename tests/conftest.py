@@ -12,6 +12,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(items):
+    """A tutorial takes minutes: every `notebook` test is also `slow`."""
+    for item in items:
+        if item.get_closest_marker("notebook") is not None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def cluster():
     import kerasps
