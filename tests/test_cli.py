@@ -32,8 +32,12 @@ def test_demo_with_greedy_placement_and_three_workers():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["demo", "--workers", "0"], "argument --workers: expected a positive integer, received '0'"),
-    (["demo", "--epochs", "two"], "argument --epochs: expected a positive integer, received 'two'"),
+    (["demo", "--workers", "0"],
+     "Invalid value for argument `--workers`: it must be a positive integer. "
+     "Received: --workers='0'"),
+    (["demo", "--epochs", "two"],
+     "Invalid value for argument `--epochs`: it must be a positive integer. "
+     "Received: --epochs='two'"),
     (["demo", "--placement", "random"], "argument --placement: invalid choice: 'random'"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ])

@@ -1,13 +1,16 @@
 """`kerasps launch` without processes: the restart policy, specs, the command line
 (the Kubernetes manifests are in test_manifests.py)."""
 
+import io
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
 from kerasps import cluster as cluster_lib
+from kerasps import console as console_lib
 from kerasps import launch
 from kerasps.restarts import Action, RestartPolicy, describe_exit
 
@@ -81,22 +84,43 @@ def test_the_evaluator_runs_the_program_outside_the_cluster_it_is_told_about():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["launch"], "the chief's script is required"),
-    (["launch", "--emit", "k8s", "train.py"], "--image is required"),
-    (["launch", "--workers", "4:2", "train.py"], "MIN (4) is greater than MAX (2)"),
-    (["launch", "--workers", "0:2", "train.py"], "Received: workers='0:2'"),
-    (["launch", "--workers", "two", "train.py"], "Received: workers='two'"),
+    (["launch"], "Invalid value for argument `program`: the chief's script is required"),
+    (["launch", "--emit", "k8s", "train.py"],
+     "Invalid value for argument `--image`: it is required with --emit"),
+    (["launch", "--workers", "4:2", "train.py"],
+     "Invalid value for argument `--workers`: MIN (4) is greater than MAX (2). "
+     "Received: --workers='4:2'"),
+    (["launch", "--workers", "0:2", "train.py"], "Received: --workers='0:2'"),
+    (["launch", "--workers", "two", "train.py"], "Received: --workers='two'"),
+    (["launch", "--ps", "0", "train.py"],
+     "Invalid value for argument `--ps`: it must be a positive integer. Received: --ps='0'"),
+    (["launch", "--max-restarts", "-2", "train.py"],
+     "Invalid value for argument `--max-restarts`: it must be an integer >= 0. "
+     "Received: --max-restarts='-2'"),
+    (["launch", "--gpus-per-worker", "x", "train.py"],
+     "Invalid value for argument `--gpus-per-worker`: it must be a positive integer. "
+     "Received: --gpus-per-worker='x'"),
 ])
-def test_launch_command_line_errors(argv, message):
+def test_launch_command_line_errors(argv, message, tmp_path):
+    (tmp_path / "train.py").write_text("")
     result = subprocess.run([sys.executable, "-m", "kerasps.cli", *argv], capture_output=True,
-                            text=True, timeout=120)
+                            text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr
+    assert result.stderr.count("argument") == 1  # one style: argparse's prefix is gone
 
 
-def test_negative_max_restarts_is_refused_by_the_command_line():
-    result = subprocess.run([sys.executable, "-m", "kerasps.cli", "launch", "--max-restarts",
-                             "-2", "train.py"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "expected an integer >= 0, received '-2'" in result.stderr
+@pytest.mark.parametrize("program, problem", [("nosuch.py", "no such file"),
+                                              (".", "a directory without __main__.py")])
+def test_a_program_that_cannot_run_is_refused_before_any_task_starts(tmp_path, program, problem):
+    result = subprocess.run([sys.executable, "-m", "kerasps.cli", "launch", program],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2
+    assert (f"Invalid value for argument `program`: the chief's script {program!r} cannot be run "
+            f"({problem}). Received: program={program!r}") in result.stderr
+    assert "started" not in result.stdout
+    with pytest.raises(ValueError, match=r"argument `program`.*no such file"):
+        launch.Launcher(launch.LaunchSpec(program=(str(tmp_path / "x.py"),)),
+                        pick_port=iter(range(5000, 5100)).__next__).run()
 
 
 def test_request_workers_outside_an_elastic_launch_says_what_it_needs(monkeypatch):
@@ -118,3 +142,110 @@ def test_an_elastic_launch_tells_the_chief_its_minimum_and_every_task_the_contro
     assert launch.MIN_WORKERS_ENV not in worker
 
 
+
+
+# -- the console ------------------------------------------------------------------------------
+def screen(raw: str) -> list[str]:
+    """The lines a terminal shows after writing `raw` (carriage returns, newlines and
+    erase-to-end-of-line; a pty's "\\r\\n" included)."""
+    lines, line, column = [], [], 0
+    for token in re.findall(r"\x1b\[K|\r|\n|[^\r\n\x1b]", raw):
+        if token == "\r":
+            column = 0
+        elif token == "\n":
+            lines.append("".join(line))
+            line, column = [], 0
+        elif token == "\x1b[K":
+            del line[column:]
+        else:
+            line[column:column + 1] = [token]
+            column += 1
+    return lines + (["".join(line)] if line else [])
+
+
+BAR_1 = b"\r1/3 \xe2\x94\x81\xe2\x94\x81 loss: 0.5"  # Keras' redraw: backspaces, \r, the bar
+BAR_2 = b"\x08" * 20 + b"\r2/3 \xe2\x94\x81\xe2\x94\x81\xe2\x94\x81 loss: 0.4"
+BAR_3 = b"\x08" * 20 + b"\r3/3 \xe2\x94\x81\xe2\x94\x81\xe2\x94\x81\xe2\x94\x81 loss: 0.3\n"
+
+
+def _console_run(live):
+    out = io.StringIO()
+    console = console_lib.Console(out, live=live)
+    bar, errors, worker = console_lib.Stream(), console_lib.Stream(), console_lib.Stream()
+    shown = []
+    console.feed(bar, "chief 0", BAR_1)
+    shown.append(out.getvalue())
+    console.feed(errors, "chief 0", b"ERROR:tensorflow:Worker failed\n")
+    console.say("launcher", "worker 1 exited with signal 9 (SIGKILL); restart 1 of 3")
+    console.feed(bar, "chief 0", BAR_2[:9])  # a multi-byte character cut in two
+    console.feed(bar, "chief 0", BAR_2[9:])
+    shown.append(out.getvalue())
+    console.feed(worker, "worker 0", b"I0000 00:00:1795612757.659892   20893 cudart_stub.cc:31] "
+                                     b"Could not find cuda drivers on your machine\n")
+    console.feed(worker, "worker 0", b"serving\n")
+    console.feed(bar, "chief 0", BAR_3)
+    return out.getvalue(), shown
+
+
+def test_a_progress_bar_is_drawn_live_with_its_prefix_and_lines_are_written_above_it():
+    raw, shown = _console_run(live=True)
+    assert screen(shown[0]) == ["[chief 0] 1/3 ━━ loss: 0.5"]  # live, before its newline
+    assert screen(shown[1]) == ["[chief 0] ERROR:tensorflow:Worker failed",
+                                "[launcher] worker 1 exited with signal 9 (SIGKILL); restart 1 "
+                                "of 3",
+                                "[chief 0] 2/3 ━━━ loss: 0.4"]
+    assert screen(raw) == ["[chief 0] ERROR:tensorflow:Worker failed",
+                           "[launcher] worker 1 exited with signal 9 (SIGKILL); restart 1 of 3",
+                           "[worker 0] serving",
+                           "[chief 0] 3/3 ━━━━ loss: 0.3"]
+
+
+def test_without_a_terminal_only_complete_lines_are_written_a_bar_once_as_last_drawn():
+    raw, shown = _console_run(live=False)
+    assert shown == ["", "[chief 0] ERROR:tensorflow:Worker failed\n[launcher] worker 1 exited "
+                         "with signal 9 (SIGKILL); restart 1 of 3\n"]
+    assert raw.splitlines() == ["[chief 0] ERROR:tensorflow:Worker failed",
+                                "[launcher] worker 1 exited with signal 9 (SIGKILL); restart 1 "
+                                "of 3",
+                                "[worker 0] serving",
+                                "[chief 0] 3/3 ━━━━ loss: 0.3"]
+
+
+def test_two_unfinished_lines_never_share_the_terminal_line():
+    out = io.StringIO()
+    console = console_lib.Console(out, live=True)
+    chief, evaluator = console_lib.Stream(), console_lib.Stream()
+    console.feed(chief, "chief 0", b"\r1/3")
+    console.feed(evaluator, "evaluator 0", b"\r5/10")
+    console.close(chief, "chief 0")  # ended without a newline: its line is complete
+    assert screen(out.getvalue()) == ["[chief 0] 1/3", "[chief 0] 1/3",
+                                      "[evaluator 0] 5/10"]
+
+
+def test_a_bar_ended_by_a_carriage_return_and_a_newline_keeps_its_last_state():
+    stream = console_lib.Stream()
+    assert stream.feed(b"\r1/2\r2/2\r\n") == ["2/2"]
+    assert stream.feed(b"plain\n\n") == ["plain", ""]
+
+
+@pytest.mark.parametrize("line", [
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "I0000 00:00:1795612757.656668   20893 port.cc:153] oneDNN custom operations are on.",
+    "I0000 00:00:1795612757.659892   20893 cudart_stub.cc:31] Could not find cuda drivers on "
+    "your machine, GPU will not be used.",
+    "E0000 00:00:1795612763.642368   20897 cuda_platform.cc:52] failed call to cuInit: INTERNAL: "
+    "CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)",
+])
+def test_tensorflow_start_up_lines_are_dropped_unless_asked_for(line):
+    assert console_lib.is_start_up_noise(line)
+    for tf_logs, expected in [(False, ""), (True, f"[ps 0] {line}\n")]:
+        out = io.StringIO()
+        console_lib.Console(out, live=False, tf_logs=tf_logs).feed(
+            console_lib.Stream(), "ps 0", line.encode() + b"\n")
+        assert out.getvalue() == expected
+
+
+def test_other_tensorflow_log_lines_are_kept():
+    assert not console_lib.is_start_up_noise(
+        "E0000 00:00:1795612763.642368   20897 grpc_server_lib.cc:12] worker 1 unreachable")
+    assert not console_lib.is_start_up_noise("ERROR:tensorflow:Worker /job:worker/task:1 failed")
