@@ -5,12 +5,13 @@ bar, which redraws its line with a carriage return and writes no newline until
 the epoch ends, is seen as it is drawn. Each task's stdout and stderr are
 separate streams, each with its own current line.
 
-On a terminal (`live`), the unfinished line of one stream (a progress bar) is
-the console's status line, redrawn in place with its prefix
-(`[chief 0] 12/50 ━━━━...`); a complete line from any other stream is written
-above it, and the bar drawn again below, so that no line is glued onto a
-partial bar. When another stream's unfinished line takes the status line, the
-old one is ended where it stands.
+On a terminal (`live`), the console's last line is a status line: the most
+recently drawn progress bar (a line redrawn with a carriage return; else the
+most recent unfinished line), redrawn in place with its prefix
+(`[chief 0] 12/50 ━━━━...`) and cut to the terminal's width. A complete line
+from any stream is written above it and the bar drawn again below, so that no
+line is glued onto a partial bar; a bar's line is written when its newline
+comes, as last drawn.
 
 Elsewhere (a file, a CI log) only complete lines are written: a progress bar's
 line is written once, as it was last drawn when its newline came.
@@ -33,6 +34,7 @@ import threading
 __all__ = ["Console", "Stream", "is_start_up_noise"]
 
 _CLEAR_LINE = "\x1b[K"  # erase from the cursor to the end of the line
+_VISIBLE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]|.", re.DOTALL)  # an escape sequence, or a character
 
 # An absl/glog line (`I0000 00:00:1795612757.656668   20893 port.cc:153] ...`) from one of
 # the sources TensorFlow prints from at start-up.
@@ -108,6 +110,7 @@ class Console:
         self.tf_logs = tf_logs
         self._lock = threading.Lock()
         self._status = None  # (stream, label, text) drawn on the terminal's last line
+        self._unfinished = {}  # stream -> label, for the streams with an unfinished line
 
     def say(self, label: str, line: str):
         """Writes one complete line from `label` (the launcher's messages)."""
@@ -134,17 +137,15 @@ class Console:
                 self._out.flush()
 
     def _redraw(self, stream, label, lines) -> str:
-        old = self._status
-        if stream is not None and stream.unfinished:
-            new = (stream, label, stream.unfinished)
-        elif old is not None and stream is not None and old[0] is stream:
-            new = None  # its line is complete
-        else:
-            new = old
-        out = []
-        if old is not None and new is not None and old[0] is not new[0]:
-            out.append("\n")  # another stream's unfinished line ends where it stands
-            old = None
+        if stream is not None:
+            self._unfinished.pop(stream, None)
+            if stream.unfinished:
+                self._unfinished[stream] = label  # the most recently drawn last
+        # The status line shows the most recently drawn progress bar (a line redrawn with
+        # a carriage return), else the most recent unfinished line.
+        pending = sorted(self._unfinished.items(), key=lambda item: item[0].redrawn)
+        new = (pending[-1][0], pending[-1][1], pending[-1][0].unfinished) if pending else None
+        old, out = self._status, []
         if lines:
             if old is not None:
                 out.append("\r" + _CLEAR_LINE)  # drawn again below the lines
@@ -158,9 +159,19 @@ class Console:
         return "".join(out)
 
     def _fit(self, text: str) -> str:
-        """`text` cut to the terminal's width: a wrapped line cannot be redrawn in place."""
+        """`text` cut to the terminal's width: a wrapped line cannot be redrawn in place
+        (escape sequences, Keras' bold step count, take no room)."""
         try:
             width = os.get_terminal_size(self._out.fileno()).columns
         except (AttributeError, OSError, ValueError):
             return text
-        return text[:max(width - 1, 20)]
+        if width <= 0:  # not known
+            return text
+        pieces, room = [], width - 1
+        for match in _VISIBLE.finditer(text):
+            if not match.group().startswith("\x1b"):
+                if room == 0:
+                    return "".join(pieces) + "\x1b[0m"
+                room -= 1
+            pieces.append(match.group())
+        return text

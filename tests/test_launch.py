@@ -3,9 +3,14 @@
 
 import io
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import textwrap
+import threading
+import time
 
 import pytest
 
@@ -13,6 +18,8 @@ from kerasps import cluster as cluster_lib
 from kerasps import console as console_lib
 from kerasps import launch
 from kerasps.restarts import Action, RestartPolicy, describe_exit
+from tests.launched import DEADLINE, process_gone, wait_until
+from tests.launched import launch as launch_job
 
 
 def test_a_server_is_restarted_until_its_budget_is_spent():
@@ -149,6 +156,7 @@ def screen(raw: str) -> list[str]:
     """The lines a terminal shows after writing `raw` (carriage returns, newlines and
     erase-to-end-of-line; a pty's "\\r\\n" included)."""
     lines, line, column = [], [], 0
+    raw = re.sub(r"\x1b\[[0-9;]*m", "", raw)  # colours and bold take no room
     for token in re.findall(r"\x1b\[K|\r|\n|[^\r\n\x1b]", raw):
         if token == "\r":
             column = 0
@@ -214,12 +222,20 @@ def test_without_a_terminal_only_complete_lines_are_written_a_bar_once_as_last_d
 def test_two_unfinished_lines_never_share_the_terminal_line():
     out = io.StringIO()
     console = console_lib.Console(out, live=True)
-    chief, evaluator = console_lib.Stream(), console_lib.Stream()
+    chief, evaluator, errors = console_lib.Stream(), console_lib.Stream(), console_lib.Stream()
     console.feed(chief, "chief 0", b"\r1/3")
     console.feed(evaluator, "evaluator 0", b"\r5/10")
-    console.close(chief, "chief 0")  # ended without a newline: its line is complete
-    assert screen(out.getvalue()) == ["[chief 0] 1/3", "[chief 0] 1/3",
+    assert screen(out.getvalue()) == ["[evaluator 0] 5/10"]  # the last drawn bar
+    console.feed(errors, "chief 0", b"a line written in two parts")
+    assert screen(out.getvalue()) == ["[evaluator 0] 5/10"]  # a bar before plain text
+    console.feed(chief, "chief 0", b"\r2/3\n")
+    console.feed(errors, "chief 0", b"\n")
+    assert screen(out.getvalue()) == ["[chief 0] 2/3", "[chief 0] a line written in two parts",
                                       "[evaluator 0] 5/10"]
+    console.close(evaluator, "evaluator 0")  # ended without a newline: its line is complete
+    assert screen(out.getvalue()) == ["[chief 0] 2/3", "[chief 0] a line written in two parts",
+                                      "[evaluator 0] 5/10"]
+    assert out.getvalue().endswith("[evaluator 0] 5/10\n")
 
 
 def test_a_bar_ended_by_a_carriage_return_and_a_newline_keeps_its_last_state():
@@ -249,3 +265,206 @@ def test_other_tensorflow_log_lines_are_kept():
     assert not console_lib.is_start_up_noise(
         "E0000 00:00:1795612763.642368   20897 grpc_server_lib.cc:12] worker 1 unreachable")
     assert not console_lib.is_start_up_noise("ERROR:tensorflow:Worker /job:worker/task:1 failed")
+
+
+# -- launched jobs (real processes) -------------------------------------------------------------
+# A chief that draws a Keras progress bar, logs a line to stderr under it, and waits for the
+# file `go` before finishing the bar: its line is unfinished while the test reads the console.
+BAR_CHIEF = """
+    import os, sys, time
+    import keras, kerasps
+
+    kerasps.cluster.from_tf_config()  # names the process
+    bar = keras.utils.Progbar(3, interval=0)
+    bar.update(1, [("loss", 0.5)])
+    print("a log line", file=sys.stderr, flush=True)
+    bar.update(2, [("loss", 0.4)])
+    while not os.path.exists("go"):
+        time.sleep(0.05)
+    bar.update(3, [("loss", 0.3)])
+"""
+NOISE = re.compile(r"absl::InitializeLog|Could not find cuda drivers|failed call to cuInit|"
+                   r"oneDNN custom operations")
+PREFIX = re.compile(r"^\[(launcher|chief 0|worker 0|ps 0)\] ")
+
+
+def _title(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode().strip()
+
+
+class PtyJob:
+    """`kerasps launch` with a terminal as its stdout and stderr, as a user runs it."""
+
+    def __init__(self, tmp_path, chief_code, *options):
+        import fcntl
+        import pty
+        import struct
+        import termios
+
+        (tmp_path / "chief.py").write_text(textwrap.dedent(chief_code))
+        controller, terminal = pty.openpty()
+        fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 100, 0, 0))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kerasps.cli", "launch", *options, "chief.py"],
+            cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal)
+        os.close(terminal)
+        self._controller, self._raw, self._lock = controller, b"", threading.Lock()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        while True:
+            try:
+                data = os.read(self._controller, 1 << 16)
+            except OSError:  # EIO: every writer has closed the terminal
+                data = b""
+            if not data:
+                return
+            with self._lock:
+                self._raw += data
+
+    @property
+    def raw(self) -> str:
+        """What was written to the terminal, less colours and bold."""
+        with self._lock:
+            return re.sub(r"\x1b\[[0-9;]*m", "", self._raw.decode(errors="replace"))
+
+    def wait_for(self, pattern, timeout=60):
+        assert wait_until(lambda: re.search(pattern, self.raw), timeout=timeout), (
+            f"{pattern!r} never shown:\n" + "\n".join(screen(self.raw)))
+        return re.search(pattern, self.raw)
+
+    def finish(self):
+        code = self.process.wait(DEADLINE)
+        self._reader.join(30)
+        os.close(self._controller)
+        return code
+
+
+@pytest.mark.slow
+def test_a_launched_jobs_console_on_a_terminal(tmp_path):
+    job = PtyJob(tmp_path, BAR_CHIEF, "--workers", "1")
+    try:
+        # Live: the chief's bar is shown, prefixed, while its line is unfinished.
+        job.wait_for(r"\r\[chief 0\] 2/3 \S+ .*loss: 0\.4")
+        pids = {task: int(pid) for task, pid in
+                re.findall(r"started (\w+ \d) at \S+ \(pid (\d+)\)", job.raw)}
+        job.wait_for(r"\[worker 0\] kerasps serve: worker 0 serving")
+        job.wait_for(r"\[ps 0\] kerasps serve: ps 0 serving")
+        assert _title(pids["worker 0"]) == "kerasps: worker 0"
+        assert _title(pids["ps 0"]) == "kerasps: ps 0"
+        assert _title(pids["chief 0"]) == "kerasps: chief 0 chief.py"
+        (tmp_path / "go").write_text("")
+        assert job.finish() == 0
+    finally:
+        if job.process.poll() is None:
+            job.process.kill()
+    lines = screen(job.raw)
+    assert all(PREFIX.match(line) for line in lines), lines  # nothing glued, nothing unprefixed
+    assert "[chief 0] a log line" in lines
+    bars = [line for line in lines if re.match(r"\[chief 0\] \d/3 ", line)]
+    assert len(bars) == 1 and re.match(r"\[chief 0\] 3/3 \S+ .*loss: 0\.\d+$", bars[0]), lines
+    assert not [line for line in lines if NOISE.search(line)], lines
+
+
+@pytest.mark.slow
+def test_a_launched_jobs_output_in_a_file_has_complete_lines_only(tmp_path):
+    job = launch_job(tmp_path, BAR_CHIEF, "--workers", "1")
+    try:
+        job.wait_for(r"^\[chief 0\] a log line$")
+        (tmp_path / "go").write_text("")
+        assert job.finish() == 0
+    finally:
+        job.close()
+    assert all(PREFIX.match(line) for line in job.lines), job.output()
+    plain = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in job.lines]  # Keras' bold
+    bars = [line for line in plain if "/3 " in line]
+    assert len(bars) == 1 and re.match(r"\[chief 0\] 3/3 \S+ .*loss: 0\.\d+$", bars[0]), plain
+    assert not [line for line in plain if NOISE.search(line) or "\r" in line], job.output()
+
+
+# A chief in `fit` that says when it was interrupted.
+FIT_CHIEF = """
+    import keras, tensorflow as tf, kerasps
+
+    strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config())
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+
+    def dataset_fn(context):
+        x = tf.random.uniform((64, 4))
+        return tf.data.Dataset.from_tensor_slices((x, x[:, :1])).repeat().batch(8)
+
+    progress = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: print("train batch", batch, flush=True))
+    try:
+        model.fit(kerasps.DatasetCreator(dataset_fn), epochs=1000, steps_per_epoch=50,
+                  verbose=0, callbacks=[progress])
+    except KeyboardInterrupt:
+        print("interrupted in fit", flush=True)
+        raise
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_chief_first_and_everything_within_seconds(tmp_path):
+    job = launch_job(tmp_path, FIT_CHIEF, "--workers", "2")
+    try:
+        job.wait_for(r"\[chief 0\] train batch 20$")
+        pids = [pid for task_pids in job.pids.values() for pid in task_pids]
+        interrupted = time.monotonic()
+        job.process.send_signal(signal.SIGINT)
+        assert wait_until(lambda: job.process.poll() is not None, timeout=DEADLINE)
+        took = time.monotonic() - interrupted
+        assert job.finish() == 130
+        assert wait_until(lambda: all(process_gone(pid) for pid in pids), timeout=10)
+    finally:
+        job.close()
+    job.wait_for(r"^\[chief 0\] interrupted in fit$")  # while the servers still ran
+    assert not [line for line in job.lines if "UnavailableError" in line or "did not exit" in line
+                or " left: " in line], job.output()
+    # launch.INTERRUPT_GRACE + launch.STOP_GRACE at most, and the launcher's own exit
+    assert took < 6, f"{took:.1f} s:\n{job.output()}"
+
+
+IGNORING_CHIEF = """
+    import signal, time
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("ignoring signals", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_kills_every_task_at_once(tmp_path):
+    job = launch_job(tmp_path, IGNORING_CHIEF, "--workers", "1")
+    try:
+        job.wait_for(r"^\[chief 0\] ignoring signals$")
+        job.process.send_signal(signal.SIGINT)
+        job.wait_for(r"^\[launcher\] ending the job: received SIGINT$")
+        job.process.send_signal(signal.SIGINT)
+        job.wait_for(r"^\[launcher\] received SIGINT again: killing every task$")
+        assert job.finish() == 130
+        pids = [pid for task_pids in job.pids.values() for pid in task_pids]
+        assert len(pids) == 3 and wait_until(lambda: all(process_gone(p) for p in pids), 10)
+    finally:
+        job.close()
+
+
+def test_a_live_line_is_cut_to_the_terminals_width_escape_sequences_taking_no_room(tmp_path):
+    import pty
+
+    controller, terminal = pty.openpty()
+    import fcntl
+    import struct
+    import termios
+
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 30, 0, 0))
+    with open(terminal, "w", closefd=True) as out:
+        assert console_lib.Console(out)._fit("[chief 0] \x1b[1m1/3\x1b[0m " + "━" * 40) == (
+            "[chief 0] \x1b[1m1/3\x1b[0m " + "━" * 15 + "\x1b[0m")
+        assert console_lib.Console(out)._fit("short") == "short"
+    os.close(controller)
