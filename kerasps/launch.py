@@ -91,10 +91,11 @@ _STANDBY = "standby"  # the label of a standby interpreter's output until it get
 # Seconds a process gets to exit after SIGTERM before it is killed.
 GRACE_PERIOD = 10.0
 # After Ctrl-C (or SIGTERM) to the launcher: seconds the chief (and the evaluator) get to
-# exit on the same signal while the servers still run, then seconds every task left gets
-# after SIGTERM before SIGKILL. A second Ctrl-C kills every task at once.
-INTERRUPT_GRACE = 1.0
-STOP_GRACE = 1.0
+# exit on the same signal while the servers still run (then SIGKILL: a chief stopped with
+# the servers would print a screen of their errors), then seconds the servers get after
+# SIGTERM before SIGKILL. A second Ctrl-C kills every task at once.
+INTERRUPT_GRACE = 1.5
+STOP_GRACE = 0.5
 POLL_INTERVAL = 0.05
 
 
@@ -540,9 +541,9 @@ class Launcher:
 
     def _interrupt(self, signum):
         """After Ctrl-C (SIGINT) or SIGTERM to the launcher: the same signal to the chief
-        and the evaluator first, while the servers still run, so that they end cleanly;
-        then SIGTERM to every task left, SIGKILL to those still there after
-        `STOP_GRACE`."""
+        and the evaluator first, while the servers still run, so that they end cleanly
+        (SIGKILL after `INTERRUPT_GRACE`); then SIGTERM to every task left, SIGKILL to
+        those still there after `STOP_GRACE`."""
         programs = [p for p in self._processes.values()
                     if runs_program(p.task.type) and p.popen and p.popen.poll() is None]
         for process in programs:
@@ -553,7 +554,9 @@ class Launcher:
                 process.popen.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self._say(f"{process.task.name} did not exit within {INTERRUPT_GRACE:g} s of "
-                          f"{signal.Signals(signum).name}")
+                          f"{signal.Signals(signum).name}: killed")
+                _signal_group(process.popen, signal.SIGKILL)
+                process.popen.wait()
         alive = [p for p in self._all_processes() if p.popen and p.popen.poll() is None]
         for process in alive:
             _signal_group(process.popen, signal.SIGTERM)
