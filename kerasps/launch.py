@@ -5,14 +5,20 @@
 starts the worker and ps tasks as `kerasps serve` processes and the chief as
 `python train.py ...`, each with its own `TF_CONFIG` on loopback ports, so the
 script is the one a platform that sets `TF_CONFIG` (Kubernetes TFJob and the
-like) would run. Output is prefixed with the task (`[worker 1] ...`). The
-agent watches every process: a task that fails (a signal, or a non-zero exit
+like) would run. Output is prefixed with the task (`[worker 1] ...`) and read as it
+is written (`kerasps.console`: a live progress bar on a terminal, complete lines
+elsewhere, TensorFlow's start-up lines dropped unless `tf_logs`); each task's
+process is named for `ps` (`kerasps: worker 1`). The program is checked before
+anything starts. The agent watches every process: a task that fails (a signal, or a non-zero exit
 status) is started again on the same address while its restart budget lasts
 (`kerasps.restarts` holds that policy). That includes the chief, as torchrun
 restarts a failed process group and Kubernetes a failed pod: the new chief
 connects to the servers that kept running, and a `fit` with
 `keras.callbacks.BackupAndRestore` resumes from its latest backup, inside the
-epoch. The chief's exit with status 0, Ctrl-C or SIGTERM ends every process.
+epoch. The chief's exit with status 0, Ctrl-C or SIGTERM ends every process:
+after Ctrl-C (or SIGTERM) the chief and the evaluator get the signal first, while
+the servers still run, and everything is gone within `INTERRUPT_GRACE +
+STOP_GRACE` (2 s); a second Ctrl-C kills every task at once.
 A restarted (or rejoining) task starts in a warm standby interpreter that has
 already imported TensorFlow and Keras (`kerasps.standby`): the agent keeps one
 beside the job and starts the next after each restart, so a restart no longer
