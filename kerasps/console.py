@@ -108,7 +108,9 @@ class Console:
                 live = False
         self.live = live
         self.tf_logs = tf_logs
-        self._lock = threading.Lock()
+        # Reentrant: the launcher's signal handler writes from the main thread, which may be
+        # writing already.
+        self._lock = threading.RLock()
         self._status = None  # (stream, label, text) drawn on the terminal's last line
         self._unfinished = {}  # stream -> label, for the streams with an unfinished line
 
