@@ -12,35 +12,57 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 
-def _positive(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive integer, received {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, received {text!r}")
-    return value
+class _Parser(argparse.ArgumentParser):
+    """Argument errors in one style, Keras': "Invalid value for argument `--ps`: it must
+    be a positive integer. Received: --ps='0'" (argparse's own prefix, `argument --ps:`,
+    would name the option twice)."""
+
+    def error(self, message):
+        message = re.sub(r"^argument [^:]+: (?=Invalid value for argument )", "", message)
+        super().error(message)
+
+
+def _invalid(option: str, why: str, text) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(
+        f"Invalid value for argument `{option}`: {why}. Received: {option}={text!r}")
+
+
+def _int_option(option: str, minimum: int):
+    """An argparse type: an integer >= `minimum`, refused naming `option`."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise _invalid(option, f"it must be {kind}", text)
+        return value
+
+    return parse
 
 
 def parser() -> argparse.ArgumentParser:
     from kerasps import __version__
 
-    top = argparse.ArgumentParser(prog="kerasps", description=__doc__.split("\n")[0])
+    top = _Parser(prog="kerasps", description=__doc__.split("\n")[0])
     top.add_argument("--version", action="version", version=f"kerasps {__version__}")
-    commands = top.add_subparsers(dest="command", required=True)
+    commands = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
     demo = commands.add_parser(
         "demo", help="train a small recommendation model on an in-process cluster",
         description="Trains a recommendation-style model (sharded user embedding + MLP) on "
                     "synthetic clicks with an in-process cluster, printing progress, the "
                     "placement table and the final metrics.")
-    demo.add_argument("--workers", type=_positive, default=2, help="worker tasks (default 2)")
-    demo.add_argument("--ps", type=_positive, default=2, help="ps tasks (default 2)")
-    demo.add_argument("--epochs", type=_positive, default=3, help="epochs (default 3)")
-    demo.add_argument("--steps-per-epoch", type=_positive, default=50,
+    demo.add_argument("--workers", type=_int_option("--workers", 1), default=2,
+                      help="worker tasks (default 2)")
+    demo.add_argument("--ps", type=_int_option("--ps", 1), default=2, help="ps tasks (default 2)")
+    demo.add_argument("--epochs", type=_int_option("--epochs", 1), default=3,
+                      help="epochs (default 3)")
+    demo.add_argument("--steps-per-epoch", type=_int_option("--steps-per-epoch", 1), default=50,
                       help="training steps per epoch, over all workers (default 50)")
     demo.add_argument("--placement", choices=["round_robin", "greedy"], default="round_robin",
                       help="variable placement policy (default round_robin)")
@@ -62,19 +84,24 @@ def parser() -> argparse.ArgumentParser:
                     "status 0 or on Ctrl-C. "
                     "With --emit k8s, writes Kubernetes manifests for the same job instead.")
     launch.add_argument("--workers", type=_worker_range, default=(2, 2),
-                        help="worker tasks: N, or MIN:MAX for an elastic pool of MAX declared "
-                             "workers of which MIN run at first; `kerasps.launch."
+                        help="worker tasks: N, or MIN:MAX for an elastic pool: MAX workers "
+                             "are declared and all start (TensorFlow's coordinator connects to "
+                             "each once), then the pool shrinks to MIN; `kerasps.launch."
                              "request_workers(n)` (or writing n to $KERASPS_WORKERS_WANTED) "
                              "resizes it (default 2)")
-    launch.add_argument("--ps", type=_positive, default=1, help="ps tasks (default 1)")
-    launch.add_argument("--max-restarts", type=_non_negative, default=3,
+    launch.add_argument("--ps", type=_int_option("--ps", 1), default=1, help="ps tasks (default 1)")
+    launch.add_argument("--max-restarts", type=_int_option("--max-restarts", 0), default=3,
                         help="restarts allowed per task: chief, worker, ps or evaluator "
                              "(default 3)")
-    launch.add_argument("--gpus-per-worker", type=_positive, default=None,
+    launch.add_argument("--gpus-per-worker", type=_int_option("--gpus-per-worker", 1), default=None,
                         help="GPUs per worker, split through CUDA_VISIBLE_DEVICES")
     launch.add_argument("--evaluator", action="store_true",
                         help="also run the script as task `evaluator 0` for side-car evaluation "
                              "(kerasps.SidecarEvaluator)")
+    launch.add_argument("--tf-logs", action="store_true",
+                        help="keep TensorFlow's start-up lines (absl warnings, CUDA and "
+                             "oneDNN notices) in the tasks' output, and leave "
+                             "TF_CPP_MIN_LOG_LEVEL as it is; by default they are dropped")
     launch.add_argument("--emit", choices=["k8s"], default=None,
                         help="write Kubernetes manifests for the job, run nothing: a JobSet "
                              "(NAME.jobset.yaml) and a Kubeflow v1 TFJob (NAME.tfjob.yaml); the "
@@ -86,6 +113,7 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("--output-dir", default=".", help="where --emit writes (default .)")
     launch.add_argument("program", nargs=argparse.REMAINDER,
                         help="the chief's script and its arguments")
+    launch.set_defaults(command_parser=launch)  # for errors found after parsing
     return top
 
 
@@ -95,39 +123,33 @@ def _worker_range(text):
     try:
         return membership.parse_workers(text)
     except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+        raise argparse.ArgumentTypeError(
+            str(error).replace("argument `workers`", "argument `--workers`")
+            .replace("Received: workers=", "Received: --workers=")) from None
 
 
-def _non_negative(text):
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, received {text!r}")
-    return value
-
-
-def _launch(args) -> int:
+def _launch(args, parser) -> int:
     from kerasps import launch
 
     if not args.program:
-        print("kerasps launch: the chief's script is required (kerasps launch [options] "
-              "script.py [args])", file=sys.stderr)
-        return 2
+        parser.error("Invalid value for argument `program`: the chief's script is required "
+                     "(kerasps launch [options] script.py [args]). Received: program=None")
+    if args.emit is not None and not args.image:
+        parser.error("Invalid value for argument `--image`: it is required with --emit (an "
+                     "image holding kerasps and the script). Received: --image=None")
     low, high = args.workers
     spec = launch.LaunchSpec(program=tuple(args.program), workers=high, ps=args.ps,
                              min_workers=low if low < high else None,
                              max_restarts=args.max_restarts,
                              gpus_per_worker=args.gpus_per_worker, evaluator=args.evaluator)
     if args.emit is None:
-        return launch.Launcher(spec).run()
+        try:
+            launch.check_program(spec.program)
+        except ValueError as error:
+            parser.error(str(error))
+        return launch.Launcher(spec, tf_logs=args.tf_logs).run()
     from kerasps import manifests
 
-    if not args.image:
-        print("kerasps launch: --image is required with --emit (an image holding kerasps "
-              "and the script)", file=sys.stderr)
-        return 2
     name = manifests.job_name(args.name or os.path.splitext(os.path.basename(spec.program[0]))[0])
     script, warning = manifests.script_in_image(spec.program[0])
     if warning:
@@ -146,7 +168,8 @@ def _launch(args) -> int:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.command != "launch":  # the launcher sets it for its tasks, unless --tf-logs
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if args.command == "demo":
         from kerasps import demo
 
@@ -154,7 +177,7 @@ def main(argv=None) -> int:
                                  steps_per_epoch=args.steps_per_epoch,
                                  placement=args.placement, verbose=args.verbose))
     elif args.command == "launch":
-        return _launch(args)
+        return _launch(args, args.command_parser)
     elif args.command == "serve":
         from kerasps import cluster
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import sys
 import threading
 
 from kerasps._validation import positive_int
@@ -358,6 +359,7 @@ def from_tf_config(tf_config: str | None = None):
 
     _enable_fail_fast()
     launch.install_chief_handler()
+    launch.name_process(detail=" ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]))
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(parsed["training_cluster"]),
         task_type=parsed["task_type"],
@@ -410,6 +412,9 @@ def serve(tf_config: str | None = None):
         )
     import tensorflow as tf
 
+    from kerasps import launch
+
+    launch.name_process(f"{task_type} {parsed['task_index']}")
     _enable_fail_fast()
     server = start_server(tf.train.ClusterSpec(parsed["training_cluster"]), task_type,
                           parsed["task_index"])

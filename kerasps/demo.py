@@ -104,6 +104,7 @@ def run(config: DemoConfig = DemoConfig(), print_fn=print) -> dict:
                              steps=10, verbose=0, return_dict=True)
     print_fn(f"\nTrained {steps} steps in {elapsed:.1f}s ({steps / elapsed:.1f} steps/s, "
              f"{steps * config.batch_size / elapsed:,.0f} examples/s).")
-    print_fn("Final metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+    print_fn("Final metrics (model.evaluate on 10 new batches of synthetic clicks): "
+             + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
     print_fn("Per-epoch loss: " + ", ".join(f"{v:.4f}" for v in history.history["loss"]))
     return metrics

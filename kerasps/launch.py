@@ -5,14 +5,20 @@
 starts the worker and ps tasks as `kerasps serve` processes and the chief as
 `python train.py ...`, each with its own `TF_CONFIG` on loopback ports, so the
 script is the one a platform that sets `TF_CONFIG` (Kubernetes TFJob and the
-like) would run. Output is prefixed with the task (`[worker 1] ...`). The
-agent watches every process: a task that fails (a signal, or a non-zero exit
+like) would run. Output is prefixed with the task (`[worker 1] ...`) and read as it
+is written (`kerasps.console`: a live progress bar on a terminal, complete lines
+elsewhere, TensorFlow's start-up lines dropped unless `tf_logs`); each task's
+process is named for `ps` (`kerasps: worker 1`). The program is checked before
+anything starts. The agent watches every process: a task that fails (a signal, or a non-zero exit
 status) is started again on the same address while its restart budget lasts
 (`kerasps.restarts` holds that policy). That includes the chief, as torchrun
 restarts a failed process group and Kubernetes a failed pod: the new chief
 connects to the servers that kept running, and a `fit` with
 `keras.callbacks.BackupAndRestore` resumes from its latest backup, inside the
-epoch. The chief's exit with status 0, Ctrl-C or SIGTERM ends every process.
+epoch. The chief's exit with status 0, Ctrl-C or SIGTERM ends every process:
+after Ctrl-C (or SIGTERM) the chief and the evaluator get the signal first, while
+the servers still run, and everything is gone within `INTERRUPT_GRACE +
+STOP_GRACE` (2 s); a second Ctrl-C kills every task at once.
 A restarted (or rejoining) task starts in a warm standby interpreter that has
 already imported TensorFlow and Keras (`kerasps.standby`): the agent keeps one
 beside the job and starts the next after each restart, so a restart no longer
@@ -56,6 +62,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import selectors
 import shutil
 import signal
 import subprocess
@@ -64,12 +71,14 @@ import tempfile
 import threading
 import time
 
+from kerasps import console as console_lib
 from kerasps import restarts as restarts_lib
 from kerasps._validation import positive_int
 
 __all__ = ["LaunchSpec", "Task", "Launcher", "TaskFailedError", "make_cluster", "tf_config",
            "install_chief_handler", "runs_program", "request_workers", "report_connected",
-           "REPORT_ENV", "TRAINING_FINISHED_ENV", "MIN_WORKERS_ENV", "WORKERS_WANTED_ENV"]
+           "check_program", "name_process", "REPORT_ENV", "TASK_ENV", "TRAINING_FINISHED_ENV",
+           "MIN_WORKERS_ENV", "WORKERS_WANTED_ENV"]
 
 # Where the launcher writes why it is ending the job, for the chief to read.
 REPORT_ENV = "KERASPS_LAUNCH_REPORT"
@@ -80,11 +89,19 @@ TRAINING_FINISHED_ENV = "KERASPS_TRAINING_FINISHED"
 MIN_WORKERS_ENV = "KERASPS_MIN_WORKERS"
 WORKERS_WANTED_ENV = "KERASPS_WORKERS_WANTED"
 CONNECTED_ENV = "KERASPS_CONNECTED"
+# The task a process of the job runs (`"worker 1"`), for its process title.
+TASK_ENV = "KERASPS_TASK"
 _REPORT_FILE, _FINISHED_FILE = "report.txt", "training_finished"  # in the launcher's scratch dir
 _WANTED_FILE, _CONNECTED_FILE = "workers_wanted", "connected"
 _STANDBY = "standby"  # the label of a standby interpreter's output until it gets a task
 # Seconds a process gets to exit after SIGTERM before it is killed.
 GRACE_PERIOD = 10.0
+# After Ctrl-C (or SIGTERM) to the launcher: seconds the chief (and the evaluator) get to
+# exit on the same signal while the servers still run (then SIGKILL: a chief stopped with
+# the servers would print a screen of their errors), then seconds the servers get after
+# SIGTERM before SIGKILL. A second Ctrl-C kills every task at once.
+INTERRUPT_GRACE = 1.5
+STOP_GRACE = 0.5
 POLL_INTERVAL = 0.05
 
 
@@ -176,6 +193,23 @@ def runs_program(task_type: str) -> bool:
     return task_type in (restarts_lib.PROGRAM_TYPE, restarts_lib.SIDECAR_TYPE)
 
 
+def check_program(program) -> None:
+    """Raises a `ValueError` naming the script unless `program[0]` is one Python can run
+    (a readable file, or a directory holding `__main__.py`): checked before any task
+    starts."""
+    script = program[0]
+    problem = None
+    if not os.path.exists(script):
+        problem = "no such file"
+    elif os.path.isdir(script) and not os.path.isfile(os.path.join(script, "__main__.py")):
+        problem = "a directory without __main__.py"
+    elif not os.access(script, os.R_OK):
+        problem = "not readable"
+    if problem:
+        raise ValueError(f"Invalid value for argument `program`: the chief's script "
+                         f"{script!r} cannot be run ({problem}). Received: program={script!r}")
+
+
 def _command(spec: LaunchSpec, task: Task) -> list[str]:
     if runs_program(task.type):
         return [sys.executable, *spec.program]
@@ -185,7 +219,8 @@ def _command(spec: LaunchSpec, task: Task) -> list[str]:
 def _environment(spec: LaunchSpec, cluster: dict, task: Task, base: dict, scratch: str) -> dict:
     env = dict(base)
     env["TF_CONFIG"] = tf_config(cluster, task)
-    env["PYTHONUNBUFFERED"] = "1"  # prefixed output arrives line by line
+    env["PYTHONUNBUFFERED"] = "1"  # output (a progress bar's redraws) arrives as written
+    env[TASK_ENV] = task.name
     if spec.min_workers is not None:
         env[WORKERS_WANTED_ENV] = os.path.join(scratch, _WANTED_FILE)
     if task.type == "chief":
@@ -236,20 +271,28 @@ class Launcher:
 
     Args:
         spec: what to run.
-        out: where the tasks' prefixed output and the launcher's messages go.
+        out: where the tasks' prefixed output and the launcher's messages go
+            (`kerasps.console.Console`: progress bars redrawn in place on a terminal,
+            complete lines only elsewhere).
         env: the environment the tasks start from (default `os.environ`).
         pick_port: returns a free port (default `portpicker.pick_unused_port`).
+        tf_logs: keep TensorFlow's start-up lines in the tasks' output (by default they
+            are dropped, and `TF_CPP_MIN_LOG_LEVEL` is 2 unless `env` sets it).
+        live: redraw progress bars in place; default: whether `out` is a terminal.
     """
 
-    def __init__(self, spec: LaunchSpec, out=None, env=None, pick_port=None):
+    def __init__(self, spec: LaunchSpec, out=None, env=None, pick_port=None,
+                 tf_logs: bool = False, live: bool | None = None):
         self.spec = spec
         self.policy = restarts_lib.RestartPolicy(spec.max_restarts)
         self.cluster = make_cluster(spec, pick_port)
-        self._out = out or sys.stdout
+        self._console = console_lib.Console(out or sys.stdout, live=live, tf_logs=tf_logs)
         self._base_env = dict(os.environ if env is None else env)
-        self._write_lock = threading.Lock()
+        if not tf_logs:
+            self._base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         self._stop = threading.Event()
         self._stop_reason = None
+        self._stop_signal = None  # the signal that stopped the job
         self._processes: dict[Task, _Process] = {}
         self._scratch = None  # the report for the chief, the training-finished flag
         self._wanted = None  # the elastic pool's wanted size, once the chief has connected
@@ -257,27 +300,33 @@ class Launcher:
 
     # -- output ------------------------------------------------------------------------
     def _say(self, line: str):
-        self._write(f"[launcher] {line}\n")
+        self._console.say("launcher", line)
 
-    def _write(self, text: str):
-        with self._write_lock:
-            self._out.write(text)
-            self._out.flush()
-
-    def _pump(self, process: _Process, stream):
-        for raw in iter(stream.readline, b""):
-            if process.task.type == _STANDBY:
-                continue  # a standby's own start-up output, before it has a task
-            line = raw.decode(errors="replace").rstrip("\n")
-            self._write(f"[{process.task.name}] {line}\n")
-        stream.close()
+    def _pump(self, process: _Process, popen: subprocess.Popen):
+        """Forwards `popen`'s stdout and stderr to the console, chunk by chunk, labelled
+        with `process`'s current task."""
+        selector = selectors.DefaultSelector()
+        for pipe in (popen.stdout, popen.stderr):
+            selector.register(pipe, selectors.EVENT_READ, console_lib.Stream())
+        while selector.get_map():
+            for key, _ in selector.select():
+                data = os.read(key.fd, 1 << 16)
+                standby = process.task.type == _STANDBY  # its own start-up output
+                if not data:
+                    selector.unregister(key.fileobj)
+                    key.fileobj.close()
+                    if not standby:
+                        self._console.close(key.data, process.task.name)
+                elif not standby:
+                    self._console.feed(key.data, process.task.name, data)
+        selector.close()
 
     # -- processes ---------------------------------------------------------------------
     def _spawn(self, process: _Process, command, env, stdin=subprocess.DEVNULL):
         process.popen = subprocess.Popen(
-            command, env=env, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            command, env=env, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True, preexec_fn=_die_with_launcher)
-        process.pump = threading.Thread(target=self._pump, args=(process, process.popen.stdout),
+        process.pump = threading.Thread(target=self._pump, args=(process, process.popen),
                                         name=f"kerasps-launch-{process.task.type}",
                                         daemon=True)
         process.pump.start()
@@ -299,7 +348,8 @@ class Launcher:
         (`kerasps.standby`)."""
         self._standby = _Process(Task(_STANDBY, 0))
         self._spawn(self._standby, [sys.executable, "-m", "kerasps.standby"],
-                    dict(self._base_env, PYTHONUNBUFFERED="1"), stdin=subprocess.PIPE)
+                    dict(self._base_env, PYTHONUNBUFFERED="1", **{TASK_ENV: _STANDBY}),
+                    stdin=subprocess.PIPE)
 
     def _hand_to_standby(self, process: _Process, command, env) -> bool:
         """Makes the standby interpreter `process`'s task, then starts a new standby.
@@ -327,13 +377,31 @@ class Launcher:
         self._stop.set()
 
     def _signal_handler(self, signum, frame):
+        if self._stop_signal is not None:  # the second Ctrl-C: no more waiting
+            self._kill_everything(f"received {signal.Signals(signum).name} again")
+            return
+        self._stop_signal = signum
         self.request_stop(f"received {signal.Signals(signum).name}")
+
+    def _kill_everything(self, reason: str):
+        self._say(f"{reason}: killing every task")
+        for process in self._all_processes():
+            if process.popen is not None:
+                _signal_group(process.popen, signal.SIGKILL)
+
+    def _all_processes(self) -> list[_Process]:
+        return [*self._processes.values(), *[self._standby] * (self._standby is not None)]
 
     def run(self) -> int:
         """Starts every task, restarts failed ones, and returns the job's exit status: 0
         once the chief succeeded; the chief's last status (its exit code, or 128 + N
         after signal N) if its own budget was spent; 1 if another task's was; 130 or 143
-        after Ctrl-C or SIGTERM."""
+        after Ctrl-C or SIGTERM.
+
+        Raises:
+            ValueError: if the program cannot be run (before any task starts).
+        """
+        check_program(self.spec.program)
         handlers = {}
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
@@ -352,6 +420,8 @@ class Launcher:
             self._start_standby()
             return self._supervise()
         finally:
+            if self._stop_signal is not None:
+                self._interrupt(self._stop_signal)
             self._shutdown()
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
@@ -475,9 +545,40 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 pass
 
+    def _interrupt(self, signum):
+        """After Ctrl-C (SIGINT) or SIGTERM to the launcher: the same signal to the chief
+        and the evaluator first, while the servers still run, so that they end cleanly
+        (SIGKILL after `INTERRUPT_GRACE`); then SIGTERM to every task left, SIGKILL to
+        those still there after `STOP_GRACE`."""
+        programs = [p for p in self._processes.values()
+                    if runs_program(p.task.type) and p.popen and p.popen.poll() is None]
+        for process in programs:
+            _signal_group(process.popen, signum)
+        deadline = time.monotonic() + INTERRUPT_GRACE
+        for process in programs:
+            try:
+                process.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._say(f"{process.task.name} did not exit within {INTERRUPT_GRACE:g} s of "
+                          f"{signal.Signals(signum).name}: killed")
+                _signal_group(process.popen, signal.SIGKILL)
+                process.popen.wait()
+        alive = [p for p in self._all_processes() if p.popen and p.popen.poll() is None]
+        for process in alive:
+            _signal_group(process.popen, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        for process in alive:
+            try:
+                process.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._say(f"{process.task.name} did not exit within {STOP_GRACE:g} s of "
+                          "SIGTERM: killed")
+                _signal_group(process.popen, signal.SIGKILL)
+                process.popen.wait()
+
     def _shutdown(self):
         """Stops every process, and whatever is left of their process groups."""
-        processes = [*self._processes.values(), *[self._standby] * (self._standby is not None)]
+        processes = self._all_processes()
         self._stop_processes(processes)
         for process in processes:
             if process.popen is not None:
@@ -540,6 +641,21 @@ def report_connected():
     path = os.environ.get(CONNECTED_ENV)
     if path:
         _write_atomically(path, "connected\n")
+
+
+# -- in the tasks: process titles -------------------------------------------------------------
+def name_process(task: str | None = None, detail: str = ""):
+    """Sets this process's title, as `ps` and `top` show it, to `kerasps: <task>` (and
+    `detail`); `task` defaults to `$KERASPS_TASK`, set by `kerasps launch`. A no-op
+    without a task, or without the `setproctitle` package."""
+    task = task or os.environ.get(TASK_ENV)
+    if not task:
+        return
+    try:
+        import setproctitle
+    except ImportError:  # pragma: no cover - a dependency of kerasps
+        return
+    setproctitle.setproctitle(f"kerasps: {task}" + (f" {detail}" if detail else ""))
 
 
 # -- in the chief --------------------------------------------------------------------------

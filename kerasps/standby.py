@@ -32,6 +32,9 @@ def become(argv: list, env: dict) -> int:
     os.close(devnull)
     os.environ.clear()
     os.environ.update(env)
+    from kerasps import launch
+
+    launch.name_process()  # the task's title, as a cold start of it would have
     if argv[:2] == ["-m", "kerasps.cli"]:
         from kerasps import cli
 
@@ -44,6 +47,9 @@ def become(argv: list, env: dict) -> int:
 
 
 def main() -> int:
+    from kerasps import launch
+
+    launch.name_process()  # kerasps: standby
     import keras  # noqa: F401  (what a restart no longer waits for)
     import tensorflow  # noqa: F401
 

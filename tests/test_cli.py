@@ -21,7 +21,8 @@ def test_demo_trains_and_prints_placement_progress_and_metrics():
     assert "user_embedding/embeddings/part_1" in out  # the big table is sharded
     assert "bytes per ps task: ps0=" in out
     assert "Epoch 2/2" in out and "6/6" in out  # progress
-    assert "Final metrics: " in out and "auc=" in out
+    assert "Final metrics (model.evaluate on 10 new batches of synthetic clicks): " in out
+    assert "auc=" in out
 
 
 def test_demo_with_greedy_placement_and_three_workers():
@@ -32,8 +33,12 @@ def test_demo_with_greedy_placement_and_three_workers():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["demo", "--workers", "0"], "argument --workers: expected a positive integer, received '0'"),
-    (["demo", "--epochs", "two"], "argument --epochs: expected a positive integer, received 'two'"),
+    (["demo", "--workers", "0"],
+     "Invalid value for argument `--workers`: it must be a positive integer. "
+     "Received: --workers='0'"),
+    (["demo", "--epochs", "two"],
+     "Invalid value for argument `--epochs`: it must be a positive integer. "
+     "Received: --epochs='two'"),
     (["demo", "--placement", "random"], "argument --placement: invalid choice: 'random'"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ])

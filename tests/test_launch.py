@@ -1,15 +1,25 @@
 """`kerasps launch` without processes: the restart policy, specs, the command line
 (the Kubernetes manifests are in test_manifests.py)."""
 
+import io
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import textwrap
+import threading
+import time
 
 import pytest
 
 from kerasps import cluster as cluster_lib
+from kerasps import console as console_lib
 from kerasps import launch
 from kerasps.restarts import Action, RestartPolicy, describe_exit
+from tests.launched import DEADLINE, process_gone, wait_until
+from tests.launched import launch as launch_job
 
 
 def test_a_server_is_restarted_until_its_budget_is_spent():
@@ -81,22 +91,43 @@ def test_the_evaluator_runs_the_program_outside_the_cluster_it_is_told_about():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["launch"], "the chief's script is required"),
-    (["launch", "--emit", "k8s", "train.py"], "--image is required"),
-    (["launch", "--workers", "4:2", "train.py"], "MIN (4) is greater than MAX (2)"),
-    (["launch", "--workers", "0:2", "train.py"], "Received: workers='0:2'"),
-    (["launch", "--workers", "two", "train.py"], "Received: workers='two'"),
+    (["launch"], "Invalid value for argument `program`: the chief's script is required"),
+    (["launch", "--emit", "k8s", "train.py"],
+     "Invalid value for argument `--image`: it is required with --emit"),
+    (["launch", "--workers", "4:2", "train.py"],
+     "Invalid value for argument `--workers`: MIN (4) is greater than MAX (2). "
+     "Received: --workers='4:2'"),
+    (["launch", "--workers", "0:2", "train.py"], "Received: --workers='0:2'"),
+    (["launch", "--workers", "two", "train.py"], "Received: --workers='two'"),
+    (["launch", "--ps", "0", "train.py"],
+     "Invalid value for argument `--ps`: it must be a positive integer. Received: --ps='0'"),
+    (["launch", "--max-restarts", "-2", "train.py"],
+     "Invalid value for argument `--max-restarts`: it must be an integer >= 0. "
+     "Received: --max-restarts='-2'"),
+    (["launch", "--gpus-per-worker", "x", "train.py"],
+     "Invalid value for argument `--gpus-per-worker`: it must be a positive integer. "
+     "Received: --gpus-per-worker='x'"),
 ])
-def test_launch_command_line_errors(argv, message):
+def test_launch_command_line_errors(argv, message, tmp_path):
+    (tmp_path / "train.py").write_text("")
     result = subprocess.run([sys.executable, "-m", "kerasps.cli", *argv], capture_output=True,
-                            text=True, timeout=120)
+                            text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr
+    assert result.stderr.count("argument") == 1  # one style: argparse's prefix is gone
 
 
-def test_negative_max_restarts_is_refused_by_the_command_line():
-    result = subprocess.run([sys.executable, "-m", "kerasps.cli", "launch", "--max-restarts",
-                             "-2", "train.py"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "expected an integer >= 0, received '-2'" in result.stderr
+@pytest.mark.parametrize("program, problem", [("nosuch.py", "no such file"),
+                                              (".", "a directory without __main__.py")])
+def test_a_program_that_cannot_run_is_refused_before_any_task_starts(tmp_path, program, problem):
+    result = subprocess.run([sys.executable, "-m", "kerasps.cli", "launch", program],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2
+    assert (f"Invalid value for argument `program`: the chief's script {program!r} cannot be run "
+            f"({problem}). Received: program={program!r}") in result.stderr
+    assert "started" not in result.stdout
+    with pytest.raises(ValueError, match=r"argument `program`.*no such file"):
+        launch.Launcher(launch.LaunchSpec(program=(str(tmp_path / "x.py"),)),
+                        pick_port=iter(range(5000, 5100)).__next__).run()
 
 
 def test_request_workers_outside_an_elastic_launch_says_what_it_needs(monkeypatch):
@@ -118,3 +149,322 @@ def test_an_elastic_launch_tells_the_chief_its_minimum_and_every_task_the_contro
     assert launch.MIN_WORKERS_ENV not in worker
 
 
+
+
+# -- the console ------------------------------------------------------------------------------
+def screen(raw: str) -> list[str]:
+    """The lines a terminal shows after writing `raw` (carriage returns, newlines and
+    erase-to-end-of-line; a pty's "\\r\\n" included)."""
+    lines, line, column = [], [], 0
+    raw = re.sub(r"\x1b\[[0-9;]*m", "", raw)  # colours and bold take no room
+    for token in re.findall(r"\x1b\[K|\r|\n|[^\r\n\x1b]", raw):
+        if token == "\r":
+            column = 0
+        elif token == "\n":
+            lines.append("".join(line))
+            line, column = [], 0
+        elif token == "\x1b[K":
+            del line[column:]
+        else:
+            line[column:column + 1] = [token]
+            column += 1
+    return lines + (["".join(line)] if line else [])
+
+
+BAR_1 = b"\r1/3 \xe2\x94\x81\xe2\x94\x81 loss: 0.5"  # Keras' redraw: backspaces, \r, the bar
+BAR_2 = b"\x08" * 20 + b"\r2/3 \xe2\x94\x81\xe2\x94\x81\xe2\x94\x81 loss: 0.4"
+BAR_3 = b"\x08" * 20 + b"\r3/3 \xe2\x94\x81\xe2\x94\x81\xe2\x94\x81\xe2\x94\x81 loss: 0.3\n"
+
+
+def _console_run(live):
+    out = io.StringIO()
+    console = console_lib.Console(out, live=live)
+    bar, errors, worker = console_lib.Stream(), console_lib.Stream(), console_lib.Stream()
+    shown = []
+    console.feed(bar, "chief 0", BAR_1)
+    shown.append(out.getvalue())
+    console.feed(errors, "chief 0", b"ERROR:tensorflow:Worker failed\n")
+    console.say("launcher", "worker 1 exited with signal 9 (SIGKILL); restart 1 of 3")
+    console.feed(bar, "chief 0", BAR_2[:9])  # a multi-byte character cut in two
+    console.feed(bar, "chief 0", BAR_2[9:])
+    shown.append(out.getvalue())
+    console.feed(worker, "worker 0", b"I0000 00:00:1795612757.659892   20893 cudart_stub.cc:31] "
+                                     b"Could not find cuda drivers on your machine\n")
+    console.feed(worker, "worker 0", b"serving\n")
+    console.feed(bar, "chief 0", BAR_3)
+    return out.getvalue(), shown
+
+
+def test_a_progress_bar_is_drawn_live_with_its_prefix_and_lines_are_written_above_it():
+    raw, shown = _console_run(live=True)
+    assert screen(shown[0]) == ["[chief 0] 1/3 ━━ loss: 0.5"]  # live, before its newline
+    assert screen(shown[1]) == ["[chief 0] ERROR:tensorflow:Worker failed",
+                                "[launcher] worker 1 exited with signal 9 (SIGKILL); restart 1 "
+                                "of 3",
+                                "[chief 0] 2/3 ━━━ loss: 0.4"]
+    assert screen(raw) == ["[chief 0] ERROR:tensorflow:Worker failed",
+                           "[launcher] worker 1 exited with signal 9 (SIGKILL); restart 1 of 3",
+                           "[worker 0] serving",
+                           "[chief 0] 3/3 ━━━━ loss: 0.3"]
+
+
+def test_without_a_terminal_only_complete_lines_are_written_a_bar_once_as_last_drawn():
+    raw, shown = _console_run(live=False)
+    assert shown == ["", "[chief 0] ERROR:tensorflow:Worker failed\n[launcher] worker 1 exited "
+                         "with signal 9 (SIGKILL); restart 1 of 3\n"]
+    assert raw.splitlines() == ["[chief 0] ERROR:tensorflow:Worker failed",
+                                "[launcher] worker 1 exited with signal 9 (SIGKILL); restart 1 "
+                                "of 3",
+                                "[worker 0] serving",
+                                "[chief 0] 3/3 ━━━━ loss: 0.3"]
+
+
+def test_two_unfinished_lines_never_share_the_terminal_line():
+    out = io.StringIO()
+    console = console_lib.Console(out, live=True)
+    chief, evaluator, errors = console_lib.Stream(), console_lib.Stream(), console_lib.Stream()
+    console.feed(chief, "chief 0", b"\r1/3")
+    console.feed(evaluator, "evaluator 0", b"\r5/10")
+    assert screen(out.getvalue()) == ["[evaluator 0] 5/10"]  # the last drawn bar
+    console.feed(errors, "chief 0", b"a line written in two parts")
+    assert screen(out.getvalue()) == ["[evaluator 0] 5/10"]  # a bar before plain text
+    console.feed(chief, "chief 0", b"\r2/3\n")
+    console.feed(errors, "chief 0", b"\n")
+    assert screen(out.getvalue()) == ["[chief 0] 2/3", "[chief 0] a line written in two parts",
+                                      "[evaluator 0] 5/10"]
+    console.close(evaluator, "evaluator 0")  # ended without a newline: its line is complete
+    assert screen(out.getvalue()) == ["[chief 0] 2/3", "[chief 0] a line written in two parts",
+                                      "[evaluator 0] 5/10"]
+    assert out.getvalue().endswith("[evaluator 0] 5/10\n")
+
+
+def test_a_bar_ended_by_a_carriage_return_and_a_newline_keeps_its_last_state():
+    stream = console_lib.Stream()
+    assert stream.feed(b"\r1/2\r2/2\r\n") == ["2/2"]
+    assert stream.feed(b"plain\n\n") == ["plain", ""]
+
+
+@pytest.mark.parametrize("line", [
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "I0000 00:00:1795612757.656668   20893 port.cc:153] oneDNN custom operations are on.",
+    "I0000 00:00:1795612757.659892   20893 cudart_stub.cc:31] Could not find cuda drivers on "
+    "your machine, GPU will not be used.",
+    "E0000 00:00:1795612763.642368   20897 cuda_platform.cc:52] failed call to cuInit: INTERNAL: "
+    "CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)",
+])
+def test_tensorflow_start_up_lines_are_dropped_unless_asked_for(line):
+    assert console_lib.is_start_up_noise(line)
+    for tf_logs, expected in [(False, ""), (True, f"[ps 0] {line}\n")]:
+        out = io.StringIO()
+        console_lib.Console(out, live=False, tf_logs=tf_logs).feed(
+            console_lib.Stream(), "ps 0", line.encode() + b"\n")
+        assert out.getvalue() == expected
+
+
+def test_other_tensorflow_log_lines_are_kept():
+    assert not console_lib.is_start_up_noise(
+        "E0000 00:00:1795612763.642368   20897 grpc_server_lib.cc:12] worker 1 unreachable")
+    assert not console_lib.is_start_up_noise("ERROR:tensorflow:Worker /job:worker/task:1 failed")
+
+
+# -- launched jobs (real processes) -------------------------------------------------------------
+# A chief that draws a Keras progress bar, logs a line to stderr under it, and waits for the
+# file `go` before finishing the bar: its line is unfinished while the test reads the console.
+BAR_CHIEF = """
+    import os, sys, time
+    import keras, kerasps
+
+    kerasps.cluster.from_tf_config()  # names the process
+    bar = keras.utils.Progbar(3, interval=0)
+    bar.update(1, [("loss", 0.5)])
+    print("a log line", file=sys.stderr, flush=True)
+    bar.update(2, [("loss", 0.4)])
+    while not os.path.exists("go"):
+        time.sleep(0.05)
+    bar.update(3, [("loss", 0.3)])
+"""
+NOISE = re.compile(r"absl::InitializeLog|Could not find cuda drivers|failed call to cuInit|"
+                   r"oneDNN custom operations")
+PREFIX = re.compile(r"^\[(launcher|chief 0|worker 0|ps 0)\] ")
+
+
+def _title(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode().strip()
+
+
+class PtyJob:
+    """`kerasps launch` with a terminal as its stdout and stderr, as a user runs it."""
+
+    def __init__(self, tmp_path, chief_code, *options):
+        import fcntl
+        import pty
+        import struct
+        import termios
+
+        (tmp_path / "chief.py").write_text(textwrap.dedent(chief_code))
+        controller, terminal = pty.openpty()
+        fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 100, 0, 0))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kerasps.cli", "launch", *options, "chief.py"],
+            cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal)
+        os.close(terminal)
+        self._controller, self._raw, self._lock = controller, b"", threading.Lock()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        while True:
+            try:
+                data = os.read(self._controller, 1 << 16)
+            except OSError:  # EIO: every writer has closed the terminal
+                data = b""
+            if not data:
+                return
+            with self._lock:
+                self._raw += data
+
+    @property
+    def raw(self) -> str:
+        """What was written to the terminal, less colours and bold."""
+        with self._lock:
+            return re.sub(r"\x1b\[[0-9;]*m", "", self._raw.decode(errors="replace"))
+
+    def wait_for(self, pattern, timeout=60):
+        assert wait_until(lambda: re.search(pattern, self.raw), timeout=timeout), (
+            f"{pattern!r} never shown:\n" + "\n".join(screen(self.raw)))
+        return re.search(pattern, self.raw)
+
+    def finish(self):
+        code = self.process.wait(DEADLINE)
+        self._reader.join(30)
+        os.close(self._controller)
+        return code
+
+
+@pytest.mark.slow
+def test_a_launched_jobs_console_on_a_terminal(tmp_path):
+    job = PtyJob(tmp_path, BAR_CHIEF, "--workers", "1")
+    try:
+        # Live: the chief's bar is shown, prefixed, while its line is unfinished.
+        job.wait_for(r"\r\[chief 0\] 2/3 \S+ .*loss: 0\.4")
+        pids = {task: int(pid) for task, pid in
+                re.findall(r"started (\w+ \d) at \S+ \(pid (\d+)\)", job.raw)}
+        job.wait_for(r"\[worker 0\] kerasps serve: worker 0 serving")
+        job.wait_for(r"\[ps 0\] kerasps serve: ps 0 serving")
+        assert _title(pids["worker 0"]) == "kerasps: worker 0"
+        assert _title(pids["ps 0"]) == "kerasps: ps 0"
+        assert _title(pids["chief 0"]) == "kerasps: chief 0 chief.py"
+        (tmp_path / "go").write_text("")
+        assert job.finish() == 0
+    finally:
+        if job.process.poll() is None:
+            job.process.kill()
+    lines = screen(job.raw)
+    assert all(PREFIX.match(line) for line in lines), lines  # nothing glued, nothing unprefixed
+    assert "[chief 0] a log line" in lines
+    bars = [line for line in lines if re.match(r"\[chief 0\] \d/3 ", line)]
+    assert len(bars) == 1 and re.match(r"\[chief 0\] 3/3 \S+ .*loss: 0\.\d+$", bars[0]), lines
+    assert not [line for line in lines if NOISE.search(line)], lines
+
+
+@pytest.mark.slow
+def test_a_launched_jobs_output_in_a_file_has_complete_lines_only(tmp_path):
+    job = launch_job(tmp_path, BAR_CHIEF, "--workers", "1")
+    try:
+        job.wait_for(r"^\[chief 0\] a log line$")
+        (tmp_path / "go").write_text("")
+        assert job.finish() == 0
+    finally:
+        job.close()
+    assert all(PREFIX.match(line) for line in job.lines), job.output()
+    plain = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in job.lines]  # Keras' bold
+    bars = [line for line in plain if "/3 " in line]
+    assert len(bars) == 1 and re.match(r"\[chief 0\] 3/3 \S+ .*loss: 0\.\d+$", bars[0]), plain
+    assert not [line for line in plain if NOISE.search(line) or "\r" in line], job.output()
+
+
+# A chief in `fit` that says when it was interrupted.
+FIT_CHIEF = """
+    import keras, tensorflow as tf, kerasps
+
+    strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config())
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+
+    def dataset_fn(context):
+        x = tf.random.uniform((64, 4))
+        return tf.data.Dataset.from_tensor_slices((x, x[:, :1])).repeat().batch(8)
+
+    progress = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: print("train batch", batch, flush=True))
+    try:
+        model.fit(kerasps.DatasetCreator(dataset_fn), epochs=1000, steps_per_epoch=50,
+                  verbose=0, callbacks=[progress])
+    except KeyboardInterrupt:
+        print("interrupted in fit", flush=True)
+        raise
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_chief_first_and_everything_within_seconds(tmp_path):
+    job = launch_job(tmp_path, FIT_CHIEF, "--workers", "2")
+    try:
+        job.wait_for(r"\[chief 0\] train batch 20$")
+        pids = [pid for task_pids in job.pids.values() for pid in task_pids]
+        interrupted = time.monotonic()
+        job.process.send_signal(signal.SIGINT)
+        assert wait_until(lambda: job.process.poll() is not None, timeout=DEADLINE)
+        took = time.monotonic() - interrupted
+        assert job.finish() == 130
+        assert wait_until(lambda: all(process_gone(pid) for pid in pids), timeout=10)
+    finally:
+        job.close()
+    job.wait_for(r"^\[chief 0\] interrupted in fit$")  # while the servers still ran
+    assert not [line for line in job.lines if "UnavailableError" in line or " left: " in line
+                or "SIGTERM" in line], job.output()
+    # launch.INTERRUPT_GRACE + launch.STOP_GRACE at most (2 s), and the launcher's own exit
+    assert took < 6, f"{took:.1f} s:\n{job.output()}"
+
+
+IGNORING_CHIEF = """
+    import signal, time
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("ignoring signals", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_kills_every_task_at_once(tmp_path):
+    job = launch_job(tmp_path, IGNORING_CHIEF, "--workers", "1")
+    try:
+        job.wait_for(r"^\[chief 0\] ignoring signals$")
+        job.process.send_signal(signal.SIGINT)
+        job.wait_for(r"^\[launcher\] ending the job: received SIGINT$")
+        job.process.send_signal(signal.SIGINT)
+        job.wait_for(r"^\[launcher\] received SIGINT again: killing every task$")
+        assert job.finish() == 130
+        pids = [pid for task_pids in job.pids.values() for pid in task_pids]
+        assert len(pids) == 3 and wait_until(lambda: all(process_gone(p) for p in pids), 10)
+    finally:
+        job.close()
+
+
+def test_a_live_line_is_cut_to_the_terminals_width_escape_sequences_taking_no_room(tmp_path):
+    import pty
+
+    controller, terminal = pty.openpty()
+    import fcntl
+    import struct
+    import termios
+
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 30, 0, 0))
+    with open(terminal, "w", closefd=True) as out:
+        assert console_lib.Console(out)._fit("[chief 0] \x1b[1m1/3\x1b[0m " + "━" * 40) == (
+            "[chief 0] \x1b[1m1/3\x1b[0m " + "━" * 15 + "\x1b[0m")
+        assert console_lib.Console(out)._fit("short") == "short"
+    os.close(controller)

@@ -135,14 +135,27 @@ def test_custom_loop_sync_steps_are_one_step_on_the_concatenated_batch(make_stra
     _assert_same(model, single)
 
 
-def test_progress_bar_shows_staleness_and_dropped_gradients(make_strategy, capsys):
-    strategy = make_strategy(mode="sync", backup_workers=1)
+@pytest.mark.parametrize("mode, shown, hidden", [("sync", "dropped_gradients", "staleness"),
+                                                  ("async", "staleness", "dropped_gradients")])
+def test_progress_bar_shows_staleness_or_dropped_gradients_where_they_mean_something(
+        make_strategy, capsys, mode, shown, hidden):
+    strategy = make_strategy(mode=mode, **({"backup_workers": 1} if mode == "sync" else {}))
     with strategy.scope():
         model = _dense_model()
-    model.fit(kerasps.DatasetCreator(_slow_worker_fn(0)), epochs=1, steps_per_epoch=3,
-              verbose=1)
+    history = model.fit(kerasps.DatasetCreator(_slow_worker_fn(0)), epochs=1,
+                        steps_per_epoch=3, verbose=1)
     out = capsys.readouterr().out
-    assert "staleness: 0.0000e+00" in out and "dropped_gradients:" in out
+    assert f"{shown}:" in out and f"{hidden}:" not in out
+    assert {"staleness", "dropped_gradients"} <= set(history.history)  # kept there
+
+
+def test_staleness_is_left_out_with_one_worker_dropped_gradients_in_async_mode():
+    from kerasps.trainer import staleness
+
+    assert staleness.meaningless(sync=False, num_workers=1) == {"staleness",
+                                                               "dropped_gradients"}
+    assert staleness.meaningless(sync=False, num_workers=2) == {"dropped_gradients"}
+    assert staleness.meaningless(sync=True, num_workers=4) == {"staleness"}
 
 
 def test_sync_step_needs_a_sync_strategy(make_strategy):

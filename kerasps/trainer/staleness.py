@@ -20,6 +20,39 @@ STALENESS = "staleness"
 DROPPED = "dropped_gradients"
 
 
+def meaningless(sync: bool, num_workers: int) -> set:
+    """The counts a progress bar leaves out, as they cannot be other than 0: `staleness`
+    in sync mode (each gradient is applied to the weights it was computed on) and with
+    one worker (it runs one step at a time); `dropped_gradients` in async mode (every
+    gradient is applied). The History keeps both."""
+    hidden = set()
+    if sync or num_workers == 1:
+        hidden.add(STALENESS)
+    if not sync:
+        hidden.add(DROPPED)
+    return hidden
+
+
+def hide_from_progress_bar(callbacks, hidden: set):
+    """Makes the Keras progress bar among `callbacks` (a `CallbackList`) leave out the
+    log entries named in `hidden`; the other callbacks still get them."""
+    import keras
+
+    if not hidden:
+        return
+    for callback in getattr(callbacks, "callbacks", ()):
+        if isinstance(callback, keras.callbacks.ProgbarLogger):
+            for name in ("on_train_batch_end", "on_epoch_end"):
+                method = getattr(callback, name)
+
+                def shown(step, logs=None, method=method):
+                    if isinstance(logs, dict):
+                        logs = {k: v for k, v in logs.items() if k not in hidden}
+                    return method(step, logs)
+
+                setattr(callback, name, shown)
+
+
 def without_counts(logs):
     """`logs` without the two counts (Keras compares their keys to the metrics')."""
     if not isinstance(logs, dict):

@@ -148,6 +148,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
 
     spe = model.steps_per_execution
     consistency = model.distribute_strategy.consistency
+    staleness.hide_from_progress_bar(callbacks, staleness.meaningless(
+        consistency.sync, model.distribute_strategy.num_workers))
     if consistency.sync and spe > 1:
         warnings.warn(
             f"`steps_per_execution={spe}` is not used in synchronous mode: every global step "

@@ -1,0 +1,179 @@
+"""The console of `kerasps launch`: every task's output, prefixed with its task.
+
+Children's output is read in chunks, not line by line, so that a Keras progress
+bar, which redraws its line with a carriage return and writes no newline until
+the epoch ends, is seen as it is drawn. Each task's stdout and stderr are
+separate streams, each with its own current line.
+
+On a terminal (`live`), the console's last line is a status line: the most
+recently drawn progress bar (a line redrawn with a carriage return; else the
+most recent unfinished line), redrawn in place with its prefix
+(`[chief 0] 12/50 ━━━━...`) and cut to the terminal's width. A complete line
+from any stream is written above it and the bar drawn again below, so that no
+line is glued onto a partial bar; a bar's line is written when its newline
+comes, as last drawn.
+
+Elsewhere (a file, a CI log) only complete lines are written: a progress bar's
+line is written once, as it was last drawn when its newline came.
+
+TensorFlow's start-up lines (absl's "All log messages before
+absl::InitializeLog()", "Could not find cuda drivers", "failed call to
+cuInit", the oneDNN and CPU-instruction notices, ...), printed by every task
+before its first useful line, are dropped unless `tf_logs`.
+
+Pure Python: importing this module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import re
+import threading
+
+__all__ = ["Console", "Stream", "is_start_up_noise"]
+
+_CLEAR_LINE = "\x1b[K"  # erase from the cursor to the end of the line
+_VISIBLE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]|.", re.DOTALL)  # an escape sequence, or a character
+
+# An absl/glog line (`I0000 00:00:1795612757.656668   20893 port.cc:153] ...`) from one of
+# the sources TensorFlow prints from at start-up.
+_START_UP_SOURCES = (
+    "port.cc", "cudart_stub.cc", "cuda_platform.cc", "cuda_executor.cc", "cuda_diagnostics.cc",
+    "cuda_dnn.cc", "cuda_fft.cc", "cuda_blas.cc", "computation_placer.cc",
+    "cpu_feature_guard.cc", "cpu_utils.cc", "gpu_device.cc", "dso_loader.cc")
+_START_UP_NOISE = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to "
+    r"STDERR"
+    r"|[IWE]\d{4} [\d:.]+\s+\d+ (" + "|".join(map(re.escape, _START_UP_SOURCES)) + r"):\d+\]"
+    r"|To enable the following instructions: .* in other operations, rebuild TensorFlow"
+    r"|.*TF-TRT Warning: Could not find TensorRT)")
+
+
+def is_start_up_noise(line: str) -> bool:
+    """Whether `line` is one of TensorFlow's start-up lines that every task prints."""
+    return _START_UP_NOISE.match(line) is not None
+
+
+class Stream:
+    """One output stream of a task (its stdout or its stderr) and its unfinished line."""
+
+    def __init__(self):
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""  # the current line since its last carriage return
+        self.drawn = ""  # the line as last drawn before a carriage return
+        self.redrawn = False
+
+    def feed(self, data: bytes, final: bool = False) -> list[str]:
+        """Takes a chunk of output; returns the lines it completed."""
+        text = self._decoder.decode(data, final).replace("\b", "")
+        completed = []
+        for piece in re.split(r"([\r\n])", text):
+            if piece == "\r":
+                if self.text:
+                    self.drawn = self.text
+                self.text, self.redrawn = "", True
+            elif piece == "\n":
+                completed.append(self.text or (self.drawn if self.redrawn else ""))
+                self.text, self.drawn, self.redrawn = "", "", False
+            else:
+                self.text += piece
+        if final and self.unfinished:
+            completed.append(self.unfinished)
+            self.text, self.drawn, self.redrawn = "", "", False
+        return completed
+
+    @property
+    def unfinished(self) -> str:
+        """What a terminal shows of the unfinished line ("" if there is none)."""
+        return self.text or self.drawn
+
+
+class Console:
+    """Writes the tasks' output and the launcher's messages to `out`, each prefixed.
+
+    Args:
+        out: a text stream.
+        live: redraw unfinished lines (progress bars) in place; default: whether `out`
+            is a terminal.
+        tf_logs: keep TensorFlow's start-up lines.
+    """
+
+    def __init__(self, out, live: bool | None = None, tf_logs: bool = False):
+        self._out = out
+        if live is None:
+            try:
+                live = out.isatty()
+            except (AttributeError, ValueError):
+                live = False
+        self.live = live
+        self.tf_logs = tf_logs
+        # Reentrant: the launcher's signal handler writes from the main thread, which may be
+        # writing already.
+        self._lock = threading.RLock()
+        self._status = None  # (stream, label, text) drawn on the terminal's last line
+        self._unfinished = {}  # stream -> label, for the streams with an unfinished line
+
+    def say(self, label: str, line: str):
+        """Writes one complete line from `label` (the launcher's messages)."""
+        self._update(None, label, [line])
+
+    def feed(self, stream: Stream, label: str, data: bytes):
+        """Writes what a chunk of `stream`'s output (task `label`) shows."""
+        self._update(stream, label, stream.feed(data))
+
+    def close(self, stream: Stream, label: str):
+        """`stream` ended: its unfinished line is written as a complete one."""
+        self._update(stream, label, stream.feed(b"", final=True))
+
+    def _update(self, stream, label, completed):
+        lines = [f"[{label}] {line}\n" for line in completed
+                 if self.tf_logs or not is_start_up_noise(line)]
+        with self._lock:
+            if not self.live:
+                text = "".join(lines)
+            else:
+                text = self._redraw(stream, label, lines)
+            if text:
+                self._out.write(text)
+                self._out.flush()
+
+    def _redraw(self, stream, label, lines) -> str:
+        if stream is not None:
+            self._unfinished.pop(stream, None)
+            if stream.unfinished:
+                self._unfinished[stream] = label  # the most recently drawn last
+        # The status line shows the most recently drawn progress bar (a line redrawn with
+        # a carriage return), else the most recent unfinished line.
+        pending = sorted(self._unfinished.items(), key=lambda item: item[0].redrawn)
+        new = (pending[-1][0], pending[-1][1], pending[-1][0].unfinished) if pending else None
+        old, out = self._status, []
+        if lines:
+            if old is not None:
+                out.append("\r" + _CLEAR_LINE)  # drawn again below the lines
+            out.extend(lines)
+            old = None
+        if new is not None and new != old:
+            out.append(f"\r{self._fit(f'[{new[1]}] {new[2]}')}{_CLEAR_LINE}")
+        elif new is None and old is not None:
+            out.append("\r" + _CLEAR_LINE)
+        self._status = new
+        return "".join(out)
+
+    def _fit(self, text: str) -> str:
+        """`text` cut to the terminal's width: a wrapped line cannot be redrawn in place
+        (escape sequences, Keras' bold step count, take no room)."""
+        try:
+            width = os.get_terminal_size(self._out.fileno()).columns
+        except (AttributeError, OSError, ValueError):
+            return text
+        if width <= 0:  # not known
+            return text
+        pieces, room = [], width - 1
+        for match in _VISIBLE.finditer(text):
+            if not match.group().startswith("\x1b"):
+                if room == 0:
+                    return "".join(pieces) + "\x1b[0m"
+                room -= 1
+            pieces.append(match.group())
+        return text
