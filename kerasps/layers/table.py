@@ -55,17 +55,22 @@ from kerasps.tables import (
     SKETCH_ADDITIONS,
 )
 
-_C1 = tf.constant(0xBF58476D1CE4E5B9, tf.uint64)
-_C2 = tf.constant(0x94D049BB133111EB, tf.uint64)
+# Python ints, made constants where `mix64` runs: a module-level tensor would be one
+# constant of the function, made on the worker and sent to each ps task at every step.
+_C1, _C2 = tables._C1, tables._C2
 _ODD = 0x2545F4914F6CDD1D  # spreads a row's columns over the hash's inputs
+# `rank_within` counts per group up to this many groups, and sorts beyond.
+_RANK_BY_COUNTING = 128
 
 
 def mix64(keys):
     """`kerasps.tables.mix64` of int64 `keys`, as `uint64`s."""
     z = tf.bitcast(tf.cast(keys, tf.int64), tf.uint64)
     shift = tf.bitwise.right_shift
-    z = tf.bitwise.bitwise_xor(z, shift(z, tf.constant(30, tf.uint64))) * _C1
-    z = tf.bitwise.bitwise_xor(z, shift(z, tf.constant(27, tf.uint64))) * _C2
+    z = tf.bitwise.bitwise_xor(z, shift(z, tf.constant(30, tf.uint64))) * tf.constant(
+        _C1, tf.uint64)
+    z = tf.bitwise.bitwise_xor(z, shift(z, tf.constant(27, tf.uint64))) * tf.constant(
+        _C2, tf.uint64)
     return tf.bitwise.bitwise_xor(z, shift(z, tf.constant(31, tf.uint64)))
 
 
@@ -74,8 +79,16 @@ def modulo(hashes, n):
 
 
 def rank_within(groups, num_groups):
-    """For each element of `groups` (int64), how many elements before it share its group."""
-    del num_groups
+    """For each element of `groups` (int64 in `[0, num_groups)`), how many elements before it
+    share its group.
+
+    With few groups (a ps task's partitions: at most 60 by default) a running count per
+    group (`[len(groups), num_groups]` counters, no sort: three ops); with many, by a
+    stable sort.
+    """
+    if num_groups <= _RANK_BY_COUNTING:
+        onehot = tf.one_hot(groups, num_groups, dtype=tf.int64)
+        return tf.reduce_sum(tf.cumsum(onehot, axis=0, exclusive=True) * onehot, axis=1)
     count = tf.size(groups, out_type=tf.int64)
     order = tf.argsort(groups, stable=True)
     ordered = tf.gather(groups, order)
@@ -173,25 +186,27 @@ class _Shard:
                     rows - tf.reduce_sum(tf.cast(occupied, tf.int64), axis=1))
 
     # -- lookups ----------------------------------------------------------------------
-    def find(self, keys, counts, partitions, training):
-        """Rows (local to this shard; -1: none) of `keys`.
+    def lookup(self, packed, training):
+        """The vectors (zeros for keys without a row) of the keys of `packed`, on this
+        shard's ps task.
 
         Args:
-            keys: int64 `[m]`, distinct.
-            counts: int64 `[m]`, occurrences of each key in the batch.
-            partitions: int64 `[m]`, each key's partition, local to this shard.
+            packed: int64 `[m, 3]`: distinct keys, their occurrences in the batch, and
+                their partitions (local to this shard).
             training: a Python bool; training lookups admit, touch and evict.
         """
         with _placed(self.device):
+            keys, counts, partitions = tf.unstack(packed, axis=1)
             if not training:
-                return self._read(keys, counts, partitions)
+                return self.gather(self._read(keys, counts, partitions))
             if tf.inside_function():
                 self.table.traced_graphs.add(tf.compat.v1.get_default_graph())
             # The lock is taken once the keys are here, never while they are on the way.
-            with tf.control_dependencies([keys, counts, partitions]):
-                return self.lock.execute(
+            with tf.control_dependencies([packed]):
+                rows = self.lock.execute(
                     lambda: self._find_or_insert(keys, counts, partitions),
                     exclusive_resource_access=False)
+            return self.gather(rows)
 
     def _clock(self):
         return tf.gather(self.tf_variable("stats"), 0)[CLOCK]
@@ -548,27 +563,23 @@ class DynamicTable:
         return self._lookup(keys, training)
 
     def _lookup(self, keys, training):
-        unique, positions = tf.unique(keys, out_idx=tf.int64)
-        counts = tf.math.unsorted_segment_sum(tf.ones_like(positions), positions,
-                                              tf.size(unique, out_type=tf.int64))
+        unique, positions, counts = tf.unique_with_counts(keys, out_idx=tf.int64)
         partitions = modulo(mix64(unique), self.spec.num_partitions)
         if len(self.shards) == 1:
-            vectors = self._lookup_shard(self.shards[0], unique, counts, partitions, training)
+            vectors = self.shards[0].lookup(tf.stack([unique, counts, partitions], axis=1),
+                                            training)
         else:
             shard_of = tf.gather(tf.constant(self._partition_to_shard, tf.int32), partitions)
             local = partitions - tf.gather(tf.constant(self._partition_offset, tf.int64),
                                            partitions)
             count = len(self.shards)
             where = tf.dynamic_partition(tf.range(tf.size(unique)), shard_of, count)
-            parts = zip(tf.dynamic_partition(unique, shard_of, count),
-                        tf.dynamic_partition(counts, shard_of, count),
-                        tf.dynamic_partition(local, shard_of, count))
-            vectors = tf.dynamic_stitch(where, [self._lookup_shard(shard, *part, training)
+            # One tensor (key, count, partition) per ps task: one transfer each, not three.
+            parts = tf.dynamic_partition(tf.stack([unique, counts, local], axis=1), shard_of,
+                                         count)
+            vectors = tf.dynamic_stitch(where, [shard.lookup(part, training)
                                                 for shard, part in zip(self.shards, parts)])
         return variables_lib._expand_rows(vectors, positions)
-
-    def _lookup_shard(self, shard, keys, counts, partitions, training):
-        return shard.gather(shard.find(keys, counts, partitions, training))
 
     def totals(self):
         """`[lookups, hits, admitted, evicted, rows_used]` (int64) over the shards: lookups
