@@ -259,16 +259,16 @@ class _Shard:
         admitted = tf.where(admit)[:, 0]
         new_partitions = tf.gather(partitions, admitted)
         needed = tf.math.unsorted_segment_sum(tf.ones_like(new_partitions), new_partitions, n)
+        rank = rank_within(new_partitions, n)
         # Rows for them: free rows, else rows freed now.
         with tf.control_dependencies(effects):
             free_count = self.free_count.read_value()
 
         # (Not in a `tf.cond`: a full table evicts at nearly every step, and the ops of an
         # empty eviction cost less than the conditional's function call.)
-        evicted, effect = self._evict(tf.maximum(needed - free_count, 0), clock)
+        evicted, effect = self._evict(new_partitions, rank, free_count, clock)
         with tf.control_dependencies([effect]):
             free_count = self.free_count.read_value()
-        rank = rank_within(new_partitions, n)
         placed = tf.where(rank < tf.gather(free_count, new_partitions))[:, 0]
         admitted = tf.gather(admitted, placed)
         new_keys = tf.gather(keys, admitted)
@@ -335,9 +335,15 @@ class _Shard:
                     SKETCH_ADDITIONS, tf.int64))], axis=1),
                 updates=tf.zeros(tf.shape(over), tf.int64))
 
-    def _evict(self, short, clock):
-        """Frees `short` rows in each partition (fewer if fewer may go); returns the rows
-        freed per partition and the effect.
+    def _evict(self, new_partitions, rank, free_count, clock):
+        """Frees a row for each new id that its partition has no free row for (fewer if
+        fewer may go); returns the rows freed per partition and the effect.
+
+        Args:
+            new_partitions: int64 `[a]`, the partition of each id admitted.
+            rank: int64 `[a]`, how many ids admitted before it share its partition.
+            free_count: int64 `[num_partitions]`, free rows per partition.
+            clock: this lookup's step.
 
         Each row needed is the one the policy ranks first among `EVICTION_SAMPLES` rows of
         its partition drawn at random (two draws that pick the same row free it once); a
@@ -345,9 +351,14 @@ class _Shard:
         """
         rows, samples = self.spec.rows_per_partition, tables.EVICTION_SAMPLES
         state = self.tf_variable("state")
-        full = tf.where(short > 0)[:, 0]
-        wanted = tf.gather(short, full)
+        # The partition of each row needed: the ids ranked past their partition's free rows.
+        owner = tf.gather(new_partitions,
+                          tf.where(rank >= tf.gather(free_count, new_partitions))[:, 0])
         if rows <= samples:
+            short = tf.math.unsorted_segment_sum(tf.ones_like(owner), owner,
+                                                 self.num_partitions)
+            full = tf.where(short > 0)[:, 0]
+            wanted = tf.gather(short, full)
             candidates = full[:, None] * rows + tf.range(rows, dtype=tf.int64)[None, :]
             score = self._score(tf.gather(state, candidates), clock)  # [q, rows]
             k = tf.cast(tf.minimum(tf.reduce_max(tf.concat([wanted, [0]], 0)), rows), tf.int32)
@@ -356,15 +367,14 @@ class _Shard:
                 negated > -np.inf)
             victims = tf.boolean_mask(tf.gather(candidates, columns, batch_dims=1), chosen)
         else:
-            owner = tf.repeat(full, wanted)  # the partition of each row needed
             draws = tf.random.uniform(tf.stack([tf.size(owner), samples]), dtype=tf.float32)
             candidates = owner[:, None] * rows + tf.minimum(
                 tf.cast(draws * rows, tf.int64), rows - 1)
             score = self._score(tf.gather(state, candidates), clock)  # [needed, samples]
             best = tf.argmin(score, axis=1, output_type=tf.int64)
             victims = tf.gather(candidates, best, batch_dims=1)
-            victims, _ = tf.unique(tf.boolean_mask(victims, tf.reduce_min(score, axis=1)
-                                                   < np.inf))
+            may_go = tf.where(tf.gather(score, best, batch_dims=1) < np.inf)[:, 0]
+            victims, _ = tf.unique(tf.gather(victims, may_go))
         return self._release(victims)
 
     def _score(self, seen, clock):
