@@ -49,6 +49,16 @@ def test_tensorflow_hashes_are_the_policy_hashes():
                                   tables.partition_of(keys, 7))
 
 
+@pytest.mark.parametrize("num_groups", [1, 3, 60, table_lib._RANK_BY_COUNTING + 1, 500])
+def test_rank_within_counts_the_earlier_members_of_each_group(num_groups):
+    rng = np.random.default_rng(num_groups)
+    for size in (0, 1, 17, 300):
+        groups = rng.integers(0, num_groups, size)
+        expected = [int(np.sum(groups[:i] == g)) for i, g in enumerate(groups)]
+        got = table_lib.rank_within(tf.constant(groups, tf.int64), num_groups)
+        assert got.dtype == tf.int64 and got.numpy().tolist() == expected
+
+
 def test_partitions_spread_keys_evenly_and_ps_tasks_hold_runs_of_them():
     spec = tables.TableSpec(capacity=60_000, output_dim=8)
     assert spec.num_partitions == 60 and spec.rows_per_partition == 1000
