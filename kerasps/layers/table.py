@@ -9,8 +9,9 @@ holds, on its ps task:
   see whole variables that do not depend on the number of ps tasks): `rows`
   (`[capacity, output_dim]`, trainable), `state` (`[capacity, 3]` int64: each
   row's key, last lookup step, count; see `kerasps.tables.STATE_COLUMNS`),
-  `stats` (`[num_partitions, 6]` int64, per partition), and, when admission
-  counts, `sketch` (`[num_partitions, depth, width]` int32);
+  `stats` (`[num_partitions, 8]` int64, per partition: see
+  `kerasps.tables.STAT_COLUMNS`), and, when admission counts, `sketch`
+  (`[num_partitions, depth, width]` int32);
 * what is derived from `state` and rebuilt whenever it is assigned (a restore,
   `set_weights`): the key -> row map (a `MutableHashTable`), the stacks of free
   rows of each partition, and a `tf.CriticalSection`.
