@@ -60,8 +60,6 @@ from kerasps.tables import (
 # constant of the function, made on the worker and sent to each ps task at every step.
 _C1, _C2 = tables._C1, tables._C2
 _ODD = 0x2545F4914F6CDD1D  # spreads a row's columns over the hash's inputs
-# `rank_within` counts per group up to this many groups, and sorts beyond.
-_RANK_BY_COUNTING = 128
 
 
 def mix64(keys):
@@ -80,16 +78,13 @@ def modulo(hashes, n):
 
 
 def rank_within(groups, num_groups):
-    """For each element of `groups` (int64 in `[0, num_groups)`), how many elements before it
-    share its group.
+    """For each element of `groups` (int64), how many elements before it share its group.
 
-    With few groups (a ps task's partitions: at most 60 by default) a running count per
-    group (`[len(groups), num_groups]` counters, no sort: three ops); with many, by a
-    stable sort.
+    By a stable sort. Running counts per group (a one-hot `[len(groups), num_groups]`
+    cumsum, no sort) took longer in one process (199 against 155 us a call at 54 ids and
+    30 groups, 779 against 317 at 2,048) and held 6 MiB more RSS in a table of 1e6 rows.
     """
-    if num_groups <= _RANK_BY_COUNTING:
-        onehot = tf.one_hot(groups, num_groups, dtype=tf.int64)
-        return tf.reduce_sum(tf.cumsum(onehot, axis=0, exclusive=True) * onehot, axis=1)
+    del num_groups
     count = tf.size(groups, out_type=tf.int64)
     order = tf.argsort(groups, stable=True)
     ordered = tf.gather(groups, order)
