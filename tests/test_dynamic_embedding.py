@@ -2,6 +2,7 @@
 state (checkpoints, resharding, export, weights) and its policy arithmetic."""
 
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -46,6 +47,16 @@ def test_tensorflow_hashes_are_the_policy_hashes():
     np.testing.assert_array_equal(table_lib.mix64(keys).numpy(), tables.mix64(keys))
     np.testing.assert_array_equal(table_lib.modulo(table_lib.mix64(keys), 7).numpy(),
                                   tables.partition_of(keys, 7))
+
+
+@pytest.mark.parametrize("num_groups", [1, 3, 60, 500])
+def test_rank_within_counts_the_earlier_members_of_each_group(num_groups):
+    rng = np.random.default_rng(num_groups)
+    for size in (0, 1, 17, 300):
+        groups = rng.integers(0, num_groups, size)
+        expected = [int(np.sum(groups[:i] == g)) for i, g in enumerate(groups)]
+        got = table_lib.rank_within(tf.constant(groups, tf.int64), num_groups)
+        assert got.dtype == tf.int64 and got.numpy().tolist() == expected
 
 
 def test_partitions_spread_keys_evenly_and_ps_tasks_hold_runs_of_them():
@@ -527,6 +538,219 @@ def test_get_and_set_weights_move_between_layouts(strategy):
     back.set_weights(single.get_weights())
     assert rows_of(back) == rows_of(layer)
     assert back.rows.num_shards == 2
+
+
+# -- restores into 3 ps tasks, 1 process; a `.keras` saved untrained; layer weights ---------
+def table_model(optimizer="adam"):
+    """ids -> a 6-partition table (2 and 3 ps tasks hold different runs of partitions)."""
+    inputs = keras.Input((1,), dtype="int64")
+    layer = DynamicEmbedding(3, capacity=48, num_partitions=6, min_count=2, seed=3, name="t")
+    x = keras.layers.Flatten()(layer(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(keras.optimizers.get(optimizer), "mse")
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def table_state(model):
+    """Per key: (row, [key, last_seen, count], vector, each row slot's values); and the
+    table's per-partition counters, sketch and totals."""
+    layer = model.layers[1]
+    state, rows = layer.state.numpy(), layer.rows.numpy()
+    slots = sorted((v.path.split("/", 1)[1], v.numpy()) for v in
+                   kerasps.variables.logical_variables(model.optimizer.variables)
+                   if "rows" in v.path)
+    used = np.flatnonzero(state[:, tables.LAST_SEEN] >= 0)
+    keys = {int(state[r, tables.KEY]): (int(r), state[r].tolist(), rows[r].tolist(),
+                                        [(name, s[r].tolist()) for name, s in slots])
+            for r in used}
+    stats = layer.table_stats()
+    return {"keys": keys, "stats": layer.stats.numpy().tolist(),
+            "sketch": layer.sketch.numpy().tolist(), "slots": [n for n, _ in slots],
+            "totals": [stats[k] for k in ("rows_used", "lookups", "hits", "admitted",
+                                          "evicted")]}
+
+
+def assert_same_table(got, expected):
+    assert got["slots"] == expected["slots"] and len(got["slots"]) == 2
+    assert set(got["keys"]) == set(expected["keys"])
+    for key, value in expected["keys"].items():
+        assert got["keys"][key] == value, key
+    for part in ("stats", "sketch", "totals"):
+        assert got[part] == expected[part], part
+
+
+# Runs in a process of its own: an in-process cluster of 3 ps tasks (the session's
+# cluster has 2). Loads what the test wrote in `sys.argv[1]`; writes what it read.
+THREE_PS = """
+import pickle, sys
+import keras, numpy as np, tensorflow as tf, kerasps
+sys.path.insert(0, sys.argv[2])
+from tests.test_dynamic_embedding import table_model, table_state
+
+d = sys.argv[1]
+strategy = kerasps.ParameterServerStrategy(
+    kerasps.cluster.in_process(num_workers=1, num_ps=3), sparse_updates="lazy")
+coordinator = kerasps.ClusterCoordinator(strategy)
+out = {}
+
+def training_lookup(layer, keys):
+    @tf.function
+    def look(ids):
+        return strategy.run(lambda ids: layer(ids, training=True), args=(ids,))
+    coordinator.schedule(look, args=(tf.constant(keys, tf.int64),))
+    coordinator.join()
+
+def maps(layer):
+    return [int(m.size().numpy()) for m in layer._table.maps()]
+
+for how in ("h5", "checkpoint"):
+    with strategy.scope():
+        model = table_model()
+    if how == "h5":
+        model.load_weights(d + "/two.weights.h5")
+    else:
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer).read(
+            d + "/two").expect_partial()
+    layer = model.layers[1]
+    out[how] = {"table": table_state(model), "maps": maps(layer),
+                "shards": layer.rows.num_shards}
+    training_lookup(layer, [1000, 1000, 1001, 1001])  # its maps and free rows work
+    out[how]["after"] = sorted(table_state(model)["keys"])
+
+with strategy.scope():
+    model = keras.saving.load_model(d + "/untrained.keras")
+layer = model.layers[1]
+out["untrained"] = {"shards": layer.rows.num_shards, "maps": maps(layer),
+                    "used": int((layer.state.numpy()[:, 1] >= 0).sum())}
+keys = np.arange(16)
+training_lookup(layer, np.repeat(keys, 2))
+out["untrained"]["after"] = sorted(table_state(model)["keys"])
+out["untrained"]["free"] = [s.free_count.numpy().tolist() for s in layer._table.shards]
+
+weights = list(np.load(d + "/layer_weights.npz").values())
+with strategy.scope():
+    other = kerasps.layers.DynamicEmbedding(3, capacity=48, num_partitions=6, min_count=2)
+    other.build()
+other.set_weights(weights)
+out["weights"] = {"equal": all(np.array_equal(a, b) for a, b in zip(other.get_weights(),
+                                                                     weights)),
+                  "maps": maps(other), "shards": other.rows.num_shards}
+pickle.dump(out, open(d + "/three.pkl", "wb"))
+print("done")
+"""
+
+
+@pytest.fixture(scope="module")
+def on_two_ps(cluster, tmp_path_factory):
+    """A table trained on the session's 2 ps tasks, saved every way, and what a process
+    with 3 ps tasks read back of it (`THREE_PS`)."""
+    path = tmp_path_factory.mktemp("tables")
+    strategy = kerasps.ParameterServerStrategy(cluster, sparse_updates="lazy")
+    with strategy.scope():
+        model = table_model()
+    ids = np.array([[i * 7 % 61] for i in range(512)])  # 61 ids for 48 rows: evictions
+    model.fit(ids, np.ones((512, 1)), batch_size=16, epochs=1, verbose=0, steps_per_epoch=32)
+    model.save_weights(str(path / "two.weights.h5"))
+    tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(str(path / "two"))
+    np.savez(path / "layer_weights.npz", *model.layers[1].get_weights())
+    table_model().save(str(path / "untrained.keras"))  # no strategy, never trained
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", THREE_PS, str(path), root],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-5000:]
+    with open(path / "three.pkl", "rb") as f:
+        three = pickle.load(f)
+    return model, table_state(model), three, path
+
+
+def test_a_table_trained_on_two_ps_restores_exactly_into_three_and_into_one_process(
+        on_two_ps):
+    model, expected, three, path = on_two_ps
+    assert expected["totals"][4] > 0 and len(expected["keys"]) > 40  # evicted, nearly full
+    keys = np.array(sorted(expected["keys"]))
+    per_task = np.bincount(model.layers[1].spec.ps_task_of(keys, 3), minlength=3).tolist()
+    for how in ("h5", "checkpoint"):
+        assert three[how]["shards"] == 3
+        assert_same_table(three[how]["table"], expected)
+        assert three[how]["maps"] == per_task  # keys re-hashed to their new tasks
+        assert {1000, 1001} <= set(three[how]["after"])  # its maps and free rows work
+    # ...into one process, without a strategy.
+    single = table_model()
+    single.load_weights(str(path / "two.weights.h5"))
+    assert_same_table(table_state(single), expected)
+    restored = table_model()
+    tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).read(
+        str(path / "two")).expect_partial()
+    assert_same_table(table_state(restored), expected)
+    assert [int(m.size().numpy()) for m in restored.layers[1]._table.maps()] == [len(keys)]
+    train(restored.layers[1], [[1000, 1000]])
+    assert 1000 in table_state(restored)["keys"]
+
+
+def test_a_restore_that_cannot_be_exact_raises_naming_the_variable(on_two_ps, tmp_path):
+    model, _, _, path = on_two_ps
+    for kwargs, name in [({"num_partitions": 4}, "t/stats"), ({"capacity": 96}, "t/rows")]:
+        inputs = keras.Input((1,), dtype="int64")
+        layer = DynamicEmbedding(3, **{"capacity": 48, "num_partitions": 6, "min_count": 2,
+                                       "name": "t", **kwargs})
+        other = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(
+            layer(inputs))))
+        with pytest.raises(ValueError, match=name):
+            other.load_weights(str(path / "two.weights.h5"))
+
+
+def test_a_keras_file_saved_before_training_loads_under_2_and_3_ps_and_none(
+        on_two_ps, make_strategy):
+    _, _, three, path = on_two_ps
+    assert three["untrained"]["shards"] == 3 and three["untrained"]["used"] == 0
+    assert three["untrained"]["maps"] == [0, 0, 0]
+    assert three["untrained"]["after"] == list(range(16))  # each key admitted, once
+    assert sum(map(sum, three["untrained"]["free"])) == 48 - 16
+    strategy = make_strategy(sparse_updates="lazy")
+    with strategy.scope():
+        model = keras.saving.load_model(str(path / "untrained.keras"))
+    layer = model.layers[1]
+    assert layer.rows.num_shards == 2 and not table_state(model)["keys"]
+    coordinator = kerasps.ClusterCoordinator(strategy)
+
+    @tf.function
+    def look(ids):
+        return strategy.run(lambda ids: layer(ids, training=True), args=(ids,))
+
+    coordinator.schedule(look, args=(tf.constant(np.repeat(np.arange(16), 2), tf.int64),))
+    coordinator.join()
+    assert sorted(table_state(model)["keys"]) == list(range(16))
+    history = model.fit(np.arange(64).reshape(-1, 1) % 20, np.ones((64, 1)), batch_size=8,
+                        epochs=1, verbose=0, steps_per_epoch=8)
+    assert np.isfinite(history.history["loss"][0])
+    plain = keras.saving.load_model(str(path / "untrained.keras"))
+    assert plain.layers[1].rows.num_shards == 1
+    train(plain.layers[1], [np.repeat(np.arange(16), 2)])
+    assert sorted(table_state(plain)["keys"]) == list(range(16))
+
+
+def test_layer_weights_round_trip_between_2_and_3_ps_and_one_process(on_two_ps, strategy):
+    model, expected, three, _ = on_two_ps
+    layer = model.layers[1]
+    weights = layer.get_weights()
+    keys = np.array(sorted(expected["keys"]))
+    assert three["weights"] == {
+        "equal": True, "shards": 3,
+        "maps": np.bincount(layer.spec.ps_task_of(keys, 3), minlength=3).tolist()}
+    layer.set_weights(weights)  # onto itself: nothing changes
+    for got, want in zip(layer.get_weights(), weights):
+        np.testing.assert_array_equal(got, want)
+    assert sum(int(m.size().numpy()) for m in layer._table.maps()) == len(keys)
+    single = DynamicEmbedding(3, capacity=48, num_partitions=6, min_count=2, seed=3)
+    single.build()
+    single.set_weights(weights)
+    for got, want in zip(single.get_weights(), weights):
+        np.testing.assert_array_equal(got, want)
+    for key in keys[:10]:
+        np.testing.assert_array_equal(vector(single, key), vector(layer, key))
+    with pytest.raises(ValueError, match=r"state"):
+        single.set_weights([weights[0], weights[1][:40], *weights[2:]])
 
 
 # -- a ps task killed mid-fit (real processes) ----------------------------------------
