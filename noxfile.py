@@ -1,6 +1,6 @@
-"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s notebooks`, `nox -s slow`,
-`nox -s stress`, `nox -s benchmarks`, `nox -s demo`, `nox -s docs`. Each runs in a fresh
-virtual environment."""
+"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s notebooks`, `nox -s tutorials`,
+`nox -s slow`, `nox -s stress`, `nox -s benchmarks`, `nox -s demo`, `nox -s docs`. Each runs
+in a fresh virtual environment."""
 
 import nox
 
@@ -39,6 +39,13 @@ def notebooks(session):
     """Executes the tutorials only."""
     session.install(".[test]")
     session.run("python", "-m", "pytest", "-m", "notebook", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def tutorials(session):
+    """Executes the tutorials and stores them executed (outputs and plots committed)."""
+    session.install(".[test]")
+    session.run("python", "-m", "tests.notebooks", *session.posargs)
 
 
 @nox.session(python=PYTHON)

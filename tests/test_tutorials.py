@@ -21,14 +21,19 @@ def _stdout_of(nb, tag):
                    if o.output_type == "stream" and o.name == "stdout")
 
 
-def test_tutorials_are_stored_valid_and_without_outputs():
+def test_tutorials_are_stored_valid_and_executed_in_order():
+    """Stored executed (`python -m tests.notebooks`), top to bottom, with no error output,
+    so that a reader on GitHub sees what each cell prints."""
     for path in sorted(TUTORIALS.glob("*.ipynb")):
         nb = nbformat.read(path, as_version=4)
         nbformat.validate(nb)
-        for cell in nb.cells:
-            if cell.cell_type == "code":
-                assert cell.outputs == [], f"{path.name}: stored with outputs"
-                assert cell.execution_count is None, f"{path.name}: stored with counts"
+        code = [cell for cell in nb.cells if cell.cell_type == "code"]
+        counts = [cell.execution_count for cell in code]
+        assert counts == list(range(1, len(code) + 1)), (
+            f"{path.name}: not stored executed in order (execution counts {counts})")
+        for cell in code:
+            errors = [o for o in cell.outputs if o.output_type == "error"]
+            assert not errors, f"{path.name}: stored with an error: {errors[0].get('ename')}"
 
 
 @pytest.fixture(scope="module")
