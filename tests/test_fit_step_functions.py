@@ -124,7 +124,11 @@ def test_logs_come_back_as_one_tensor_with_the_values_keras_logs_hold(strategy):
     (function,) = [f for name, f in steps.step_functions(model).items() if name == "train"]
     (concrete,) = function._list_all_concrete_functions()
     assert len(concrete.outputs) == 1
-    assert [log["examples"] for log in callback.logs] == [2.0 * BATCH, 4.0 * BATCH]
+    # Each function's logs read the shared metric after its own 2 steps; the other
+    # worker's steps may or may not have landed by then.
+    assert len(callback.logs) == 2
+    assert all(log["examples"] in (2.0 * BATCH, 3.0 * BATCH, 4.0 * BATCH)
+               for log in callback.logs)
     for log in callback.logs:
         assert set(log) == {"loss", "examples", "staleness", "dropped_gradients"}
         assert all(type(value) in (float, int) for value in log.values())
