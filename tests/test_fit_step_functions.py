@@ -94,3 +94,50 @@ def test_a_partly_unrolled_step_loop_runs_every_step_once(strategy):
                         verbose=0)
     assert history.history["examples"] == [10 * BATCH]
     assert int(model.optimizer.iterations.numpy()) == 10
+
+
+class BatchLogs(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs.append(dict(logs))
+
+
+class VectorLogs(keras.Sequential):
+    """A custom `train_step` with a log that is not a scalar."""
+
+    def train_step(self, data):
+        super().train_step(data)
+        return {"answer": tf.constant(42.0), "pair": tf.constant([1.0, 2.0])}
+
+
+def test_logs_come_back_as_one_tensor_with_the_values_keras_logs_hold(strategy):
+    # Each output of a scheduled function is a copy from the worker of its own.
+    model = build(strategy, steps_per_execution=2)
+    from kerasps.trainer import steps
+
+    callback = BatchLogs()
+    model.fit(kerasps.DatasetCreator(regression_fn), epochs=1, steps_per_epoch=4, verbose=0,
+              callbacks=[callback])
+    (function,) = [f for name, f in steps.step_functions(model).items() if name == "train"]
+    (concrete,) = function._list_all_concrete_functions()
+    assert len(concrete.outputs) == 1
+    # Each function's logs read the shared metric after its own 2 steps; the other
+    # worker's steps may or may not have landed by then.
+    assert len(callback.logs) == 2
+    assert all(log["examples"] in (2.0 * BATCH, 3.0 * BATCH, 4.0 * BATCH)
+               for log in callback.logs)
+    for log in callback.logs:
+        assert set(log) == {"loss", "examples", "staleness", "dropped_gradients"}
+        assert all(type(value) in (float, int) for value in log.values())
+
+
+def test_logs_that_are_not_scalars_come_back_as_they_are(strategy):
+    model = build(strategy, VectorLogs)
+    callback = BatchLogs()
+    model.fit(kerasps.DatasetCreator(regression_fn), epochs=1, steps_per_epoch=2, verbose=0,
+              callbacks=[callback])
+    assert callback.logs[-1]["answer"] == 42.0
+    assert list(callback.logs[-1]["pair"]) == [1.0, 2.0]

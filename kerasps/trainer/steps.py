@@ -34,6 +34,39 @@ def forget_step_functions(model):
     object.__setattr__(model, "_kerasps_functions", None)
 
 
+# The key of a training function's logs packed into one tensor (see `_packed`).
+PACKED_LOGS = "_kerasps_packed_logs"
+
+
+def _packed(outputs, cache):
+    """A step function's logs as one float64 vector, when they are all scalars.
+
+    Each output tensor of a scheduled function is copied to the coordinator
+    on its own (a transfer from the worker every function); one vector is one
+    copy. `unpack` restores the dict: the values are those Keras' log
+    conversion gives (`float(value)`), since a cast to float64 is exact for
+    floats and rounds integers as `float` does. Other outputs are left as they are.
+    """
+    if not isinstance(outputs, dict) or not outputs:
+        return outputs
+    values = {key: tf.convert_to_tensor(value) if not isinstance(value, dict) else value
+              for key, value in outputs.items()}
+    if not all(isinstance(v, tf.Tensor) and v.shape.rank == 0 and (
+            v.dtype.is_floating or v.dtype.is_integer or v.dtype.is_bool)
+               for v in values.values()):
+        return outputs
+    cache["packed_keys"] = tuple(values)
+    return {PACKED_LOGS: tf.stack([tf.cast(v, tf.float64) for v in values.values()])}
+
+
+def unpack(model, result):
+    """A fetched training function's result with its packed logs as a dict again."""
+    if isinstance(result, dict) and PACKED_LOGS in result:
+        keys = step_functions(model)["packed_keys"]
+        return dict(zip(keys, result[PACKED_LOGS].tolist()))
+    return result
+
+
 def make_train_function(model, with_logs=True):
     """The function scheduled to run `steps` training steps on a worker.
 
@@ -79,7 +112,7 @@ def make_train_function(model, with_logs=True):
 
             tf.while_loop(lambda i: i < loops, body, (tf.constant(0),))
         outputs = run(rest, outputs)
-        return outputs if with_logs else None
+        return _packed(outputs, cache) if with_logs else None
 
     cache[name] = tf.function(train_function, reduce_retracing=True)
     return cache[name]

@@ -18,7 +18,7 @@ from kerasps.trainer.checks import build, check_model
 from kerasps.trainer.dispatch import Window, reads_batch_logs, to_logs
 from kerasps.trainer.evaluation import Evaluation
 from kerasps.trainer.inputs import is_array_like, make_source, per_worker_dataset, total_batches
-from kerasps.trainer.steps import make_train_function, make_train_to_end_function
+from kerasps.trainer.steps import make_train_function, make_train_to_end_function, unpack
 from kerasps.trainer.sync import SyncSteps
 
 _log = logging.getLogger("kerasps")
@@ -179,7 +179,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             done = end + 1
             position = Progress(epoch, done)
             if result is not None:
-                logs = to_logs(result)
+                logs = to_logs(unpack(model, result))
                 if isinstance(logs, dict):
                     logs = {**logs, **({staleness.STALENESS: 0.0} if consistency.sync else {}),
                             staleness.DROPPED: dropped}
