@@ -1,0 +1,272 @@
+"""Bytes on the wire and throughput on rate-limited links: kerasps on the network bench.
+
+Every task runs in its own network namespace of `benchmarks.netbench` (so its interface
+counters are exactly its traffic): `kerasps serve` in each worker and ps namespace, the
+chief (this script with `--chief`) in its own, TF_CONFIG naming the namespaces' addresses.
+Needs root.
+
+`bytes` (issue 21 part 2): the embedding workloads of `benchmarks/embedding_scaling.py`
+(Embedding(vocab, 32) in 2 shards over 2 ps tasks, 3 ids per example, Flatten,
+Dense(32), Dense(1), 2 workers, per-worker batch 64, steps_per_execution 10), one `fit`
+per optimizer on the same cluster: the bytes each task sent and received during a timed
+`fit`, per worker-step, against the bound: the touched rows x 32 x 4 B gathered and their
+gradient sent, plus the dense weights read and their gradients sent.
+
+`throughput` (issue 21 part 3): worker-steps/s of an unbalanced dense model (one
+1024x1024 kernel beside smaller ones, so that round_robin puts most bytes on one ps) at
+a given ps link rate, against the simulator's prediction.
+
+    sudo python benchmarks/network.py bytes                       # 4 optimizers, ~4 min
+    sudo python benchmarks/network.py bytes --optimizers sgd --steps 50
+    sudo python benchmarks/network.py throughput --rate 100mbit --ps 2 --placement greedy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchmarks import netbench  # noqa: E402
+
+PORT = 2222
+RESULT = "NETWORK_RESULT "
+NUM_WORKERS = 2
+BENCH_NAME = "net"
+
+
+# -- the chief (inside its namespace) --------------------------------------------------------
+def _all_counters(spaces):
+    return {ns: netbench.counters(ns) for ns in spaces}
+
+
+def _delta(before, after):
+    return {ns: {k: after[ns][k] - before[ns][k] for k in after[ns]} for ns in after}
+
+
+def _dense_params(model):
+    return sum(int(v.shape.num_elements()) for v in model.trainable_variables
+               if "embedding" not in v.path)
+
+
+def chief_bytes(args, spaces):
+    import embedding_scaling as es
+    import keras
+
+    import kerasps
+
+    for optimizer in args.optimizers:
+        strategy = kerasps.ParameterServerStrategy(
+            kerasps.cluster.from_tf_config(), sparse_updates=es.OPTIMIZERS[optimizer][1],
+            variable_partitioner=kerasps.partitioners.MinSizePartitioner(
+                min_shard_bytes=es.MIN_SHARD_BYTES, max_shards=2))
+        with strategy.scope():
+            model = es._compiled_model(keras, args.vocab, optimizer)
+        data = kerasps.DatasetCreator(es._dataset_fn(args.vocab))
+        model.fit(data, epochs=1, steps_per_epoch=args.warmup, verbose=0)
+        before, start = _all_counters(spaces), time.perf_counter()
+        model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)
+        seconds = time.perf_counter() - start
+        delta = _delta(before, _all_counters(spaces))
+        rows = es.rows_per_worker_step(args.vocab) * es.DIM * 4
+        dense = _dense_params(model) * 4
+        print(RESULT + json.dumps({
+            "mode": "bytes", "optimizer": optimizer, "vocab": args.vocab,
+            "steps": args.steps, "spe": es.SPE, "steps_per_s": args.steps / seconds,
+            "bound_rows_bytes": rows, "bound_dense_bytes": dense,
+            "bound": 2 * (rows + dense), "counters": delta,
+            "placement": [(r.name, r.bytes, r.ps_task) for r in
+                          strategy.placement_report()]}), flush=True)
+
+
+UNBALANCED = (1024, 1024, 256, 256)  # input, dense_1, dense_2, dense_3 units
+
+
+def _unbalanced_model(keras):
+    layers = keras.layers
+    return keras.Sequential([keras.Input(shape=(UNBALANCED[0],)),
+                             layers.Dense(UNBALANCED[1], name="dense_1"),
+                             layers.Dense(UNBALANCED[2], name="dense_2"),
+                             layers.Dense(UNBALANCED[3], name="dense_3"),
+                             layers.Dense(1, name="out")])
+
+
+def chief_throughput(args, spaces):
+    import keras
+    import tensorflow as tf
+
+    import kerasps
+
+    strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config(),
+                                               placement=args.placement)
+    with strategy.scope():
+        model = _unbalanced_model(keras)
+        model.compile(keras.optimizers.SGD(0.001), "mse", steps_per_execution=args.spe)
+
+    def dataset_fn(input_context):
+        x = tf.random.uniform([args.batch, UNBALANCED[0]])
+        return tf.data.Dataset.from_tensors((x, tf.zeros([args.batch, 1]))).repeat()
+
+    data = kerasps.DatasetCreator(dataset_fn)
+    model.fit(data, epochs=1, steps_per_epoch=max(args.spe, args.warmup), verbose=0)
+    before, start = _all_counters(spaces), time.perf_counter()
+    model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)
+    seconds = time.perf_counter() - start
+    print(RESULT + json.dumps({
+        "mode": "throughput", "placement": args.placement, "spe": args.spe,
+        "steps": args.steps, "steps_per_s": args.steps / seconds, "seconds": seconds,
+        "counters": _delta(before, _all_counters(spaces)),
+        "variables": [(r.name, r.bytes, r.ps_task) for r in strategy.placement_report()]}),
+        flush=True)
+
+
+# -- the driver ------------------------------------------------------------------------------
+def run_cluster(args, chief_args, num_ps, rate, rates=None, during=None):
+    """Brings the bench up, starts the servers and the chief; returns the chief's records."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    tasks = {"chief": 1, "worker": NUM_WORKERS, "ps": num_ps}
+    with netbench.Bench(tasks, rate=rate, rates=rates, name=BENCH_NAME) as bench:
+        servers = []
+        for kind in ("ps", "worker"):
+            for i in range(tasks[kind]):
+                proc = bench.popen(kind, i, [sys.executable, "-m", "kerasps.cli", "serve"],
+                                   env={**env, "TF_CONFIG": bench.tf_config(kind, i, PORT)},
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                servers.append((kind, i, proc))
+        for kind, i, proc in servers:  # each prints a line once its server is up
+            line = proc.stdout.readline()
+            while line and "serving at" not in line:
+                line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{kind} {i} ended before serving")
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain
+        spaces = [t.namespace for t in bench.tasks.values()]
+        chief = bench.popen("chief", 0, [sys.executable, os.path.abspath(__file__), "--chief",
+                                         *chief_args],
+                            env={**env, "TF_CONFIG": bench.tf_config("chief", 0, PORT),
+                                 "NETBENCH_SPACES": json.dumps(spaces)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if during:
+            during(bench)
+        records, tail = [], []
+        for line in chief.stdout:
+            if line.startswith(RESULT):
+                records.append(json.loads(line[len(RESULT):]))
+                print(f"  {_summary(records[-1])}", flush=True)
+            else:
+                tail = (tail + [line.rstrip()])[-30:]
+        if chief.wait(timeout=args.timeout) != 0:
+            raise RuntimeError(f"the chief exited with {chief.returncode}:\n" + "\n".join(tail))
+        return records
+
+
+def _summary(record):
+    if record["mode"] == "bytes":
+        return (f"{record['optimizer']:9s} {record['steps_per_s']:6.1f} steps/s  "
+                f"{_wire_per_step(record) / 1024:6.1f} KiB on the wire per worker-step, "
+                f"bound {record['bound'] / 1024:.1f} KiB")
+    return (f"{record['placement']:11s} spe={record['spe']:<3d} "
+            f"{record['steps_per_s']:7.2f} steps/s")
+
+
+def _by_kind(record, kind, field):
+    return sum(c[field] for ns, c in record["counters"].items()
+               if ns.split("-")[2] == kind) / record["steps"]
+
+
+def _wire_per_step(record):
+    """Every byte is counted once, at its sender."""
+    return sum(c["tx_bytes"] for c in record["counters"].values()) / record["steps"]
+
+
+HEADERS = 66  # bytes per packet: Ethernet 14, IPv4 20, TCP 32 (with timestamps)
+
+
+def _payload_per_step(record):
+    """The bytes on the wire less the Ethernet, IP and TCP headers of every packet."""
+    return sum(c["tx_bytes"] - HEADERS * c["tx_packets"]
+               for c in record["counters"].values()) / record["steps"]
+
+
+def bytes_table(records):
+    lines = ["| optimizer | steps/s | worker rx / tx KiB | ps rx / tx KiB | chief rx / tx KiB "
+             "| on the wire KiB | bound KiB (rows + dense, each way) | workers' rx+tx / bound "
+             "| on the wire / bound | TCP payload / bound |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in records:
+        k = {kind: (_by_kind(r, kind, "rx_bytes") / 1024, _by_kind(r, kind, "tx_bytes") / 1024)
+             for kind in ("worker", "ps", "chief")}
+        bound = r["bound"] / 1024
+        lines.append(
+            f"| {r['optimizer']} | {r['steps_per_s']:.1f} "
+            f"| {k['worker'][0]:.1f} / {k['worker'][1]:.1f} "
+            f"| {k['ps'][0]:.1f} / {k['ps'][1]:.1f} | {k['chief'][0]:.2f} / {k['chief'][1]:.2f} "
+            f"| {_wire_per_step(r) / 1024:.1f} "
+            f"| {bound:.1f} ({r['bound_rows_bytes'] / 1024:.1f} + "
+            f"{r['bound_dense_bytes'] / 1024:.1f}) "
+            f"| {sum(k['worker']) / bound:.2f} | **{_wire_per_step(r) / 1024 / bound:.2f}** "
+            f"| {_payload_per_step(r) / 1024 / bound:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=("bytes", "throughput"))
+    parser.add_argument("--chief", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--optimizers", nargs="+",
+                        default=["sgd", "adagrad", "adam", "lazy_adam"])
+    parser.add_argument("--vocab", type=int, default=200_000)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed worker-steps (default 200 bytes, 60 throughput)")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--rate", default="1gbit", help="every link's rate")
+    parser.add_argument("--ps-rate", default=None, help="the ps links' rate (throughput)")
+    parser.add_argument("--ps", type=int, default=2)
+    parser.add_argument("--placement", default="round_robin")
+    parser.add_argument("--spe", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--json", help="append the records to this file (JSON lines)")
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (200 if args.mode == "bytes" else 60)
+
+    if args.chief:
+        spaces = json.loads(os.environ["NETBENCH_SPACES"])
+        (chief_bytes if args.mode == "bytes" else chief_throughput)(args, spaces)
+        return 0
+    reason = netbench.available()
+    if reason:
+        print(f"network.py: {reason}", file=sys.stderr)
+        return 2
+    chief_args = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--json"]
+    if args.json:
+        chief_args = [a for a in chief_args if a != args.json]
+    num_ps = 2 if args.mode == "bytes" else args.ps
+    rates = {"ps": args.ps_rate} if args.ps_rate else None
+    print(f"# network.py {args.mode}: {NUM_WORKERS} workers, {num_ps} ps, links {args.rate}"
+          + (f", ps links {args.ps_rate}" if args.ps_rate else "")
+          + f"; load average {os.getloadavg()[0]:.1f}", flush=True)
+    records = run_cluster(args, chief_args, num_ps, args.rate, rates)
+    for r in records:
+        r.update(rate=args.rate, ps_rate=args.ps_rate, ps=num_ps,
+                 load_after=os.getloadavg()[0])
+    if args.mode == "bytes":
+        print(bytes_table(records))
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
