@@ -18,7 +18,7 @@ a given ps link rate, against the simulator's prediction.
 
     sudo python benchmarks/network.py bytes                       # 4 optimizers, ~4 min
     sudo python benchmarks/network.py bytes --optimizers sgd --steps 50
-    sudo python benchmarks/network.py throughput --rate 100mbit --ps 2 --placement greedy
+    sudo python benchmarks/network.py throughput --ps-rate 100mbit --ps 2
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,8 +35,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchmarks import netbench  # noqa: E402
+from benchmarks.netbench import cluster as netbench_cluster  # noqa: E402
 
-PORT = 2222
+PORT = netbench_cluster.PORT
 RESULT = "NETWORK_RESULT "
 NUM_WORKERS = 2
 BENCH_NAME = "net"
@@ -87,7 +87,9 @@ def chief_bytes(args, spaces):
                           strategy.placement_report()]}), flush=True)
 
 
-UNBALANCED = (1024, 1024, 256, 256)  # input, dense_1, dense_2, dense_3 units
+# Unbalanced: two 512x512 kernels (1 MiB each) with small biases between them; round_robin
+# (creation order, kernel and bias alternating) puts both kernels on ps 0, greedy one on each.
+UNBALANCED = (512, 512, 512)  # input, dense_1, dense_2 units
 
 
 def _unbalanced_model(keras):
@@ -95,7 +97,6 @@ def _unbalanced_model(keras):
     return keras.Sequential([keras.Input(shape=(UNBALANCED[0],)),
                              layers.Dense(UNBALANCED[1], name="dense_1"),
                              layers.Dense(UNBALANCED[2], name="dense_2"),
-                             layers.Dense(UNBALANCED[3], name="dense_3"),
                              layers.Dense(1, name="out")])
 
 
@@ -105,50 +106,117 @@ def chief_throughput(args, spaces):
 
     import kerasps
 
-    strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config(),
-                                               placement=args.placement)
-    with strategy.scope():
-        model = _unbalanced_model(keras)
-        model.compile(keras.optimizers.SGD(0.001), "mse", steps_per_execution=args.spe)
-
     def dataset_fn(input_context):
         x = tf.random.uniform([args.batch, UNBALANCED[0]])
         return tf.data.Dataset.from_tensors((x, tf.zeros([args.batch, 1]))).repeat()
 
-    data = kerasps.DatasetCreator(dataset_fn)
-    model.fit(data, epochs=1, steps_per_epoch=max(args.spe, args.warmup), verbose=0)
-    before, start = _all_counters(spaces), time.perf_counter()
-    model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)
-    seconds = time.perf_counter() - start
-    print(RESULT + json.dumps({
-        "mode": "throughput", "placement": args.placement, "spe": args.spe,
-        "steps": args.steps, "steps_per_s": args.steps / seconds, "seconds": seconds,
-        "counters": _delta(before, _all_counters(spaces)),
-        "variables": [(r.name, r.bytes, r.ps_task) for r in strategy.placement_report()]}),
-        flush=True)
+    for placement in args.placements:
+        for spe in args.spes:
+            strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config(),
+                                                       placement=placement)
+            with strategy.scope():
+                model = _unbalanced_model(keras)
+                model.compile(keras.optimizers.SGD(0.001), "mse", steps_per_execution=spe)
+            data = kerasps.DatasetCreator(dataset_fn)
+            model.fit(data, epochs=1, steps_per_epoch=max(spe, args.warmup), verbose=0)
+            before, start = _all_counters(spaces), time.perf_counter()
+            model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)
+            seconds = time.perf_counter() - start
+            print(RESULT + json.dumps({
+                "mode": "throughput", "placement": placement, "spe": spe,
+                "steps": args.steps, "steps_per_s": args.steps / seconds, "seconds": seconds,
+                "counters": _delta(before, _all_counters(spaces)),
+                "variables": [(r.name, r.bytes, r.ps_task)
+                              for r in strategy.placement_report()]}), flush=True)
+
+
+# -- the simulator's prediction ---------------------------------------------------------------
+def _config(record):
+    return (record["ps_rate"] or record["rate"], record["ps"], record["placement"], record["spe"])
+
+
+def _scenario(record, step_time, overhead, duplex):
+    """The simulator's scenario of `record`'s run: its variables (as the placement report
+    names them, in creation order) placed by the same policy, 2 workers of constant step
+    time, ps links of the record's rate less the framing `overhead` (wire / variable bytes),
+    ps contention, no latency."""
+    import simulator
+
+    bandwidth = netbench.parse_rate(record["ps_rate"] or record["rate"]) / 8 / overhead
+    return simulator.Scenario.from_dict({
+        "name": "netbench", "seed": 0,
+        "workers": {"count": NUM_WORKERS,
+                    "step_time": {"distribution": "constant", "value": step_time}},
+        "ps": {"count": record["ps"], "contention": True},
+        "network": {"bandwidth": bandwidth, "latency": 0.0, "duplex": duplex},
+        "training": {"mode": "async", "steps": 400},
+        "model": {"placement": record["placement"],
+                  "variables": [{"name": name, "shape": [max(1, nbytes // 4)]}
+                                for name, nbytes, _ in record["variables"]]}})
+
+
+def _simulate(record, step_time, overhead, duplex):
+    import simulator
+
+    return simulator.run(_scenario(record, step_time, overhead, duplex)).steps_per_second
+
+
+def _overhead(record):
+    """Bytes the ps tasks sent per worker-step over the variable bytes they hold."""
+    sent = sum(c["tx_bytes"] for ns, c in record["counters"].items() if "-ps-" in ns)
+    return sent / record["steps"] / sum(nbytes for _, nbytes, _ in record["variables"])
+
+
+def calibrate(record, duplex):
+    """The constant step time (compute and everything off the ps links) for which the
+    simulator reproduces `record`'s throughput, with its measured framing overhead."""
+    overhead = _overhead(record)
+    lo, hi = 1e-5, 10.0
+    for _ in range(40):  # throughput falls as the step time grows: bisect (geometrically)
+        mid = (lo * hi) ** 0.5
+        if _simulate(record, mid, overhead, duplex) > record["steps_per_s"]:
+            lo = mid
+        else:
+            hi = mid
+    return (lo * hi) ** 0.5, overhead
+
+
+def predict_table(records, calibration):
+    records = sorted(records, key=lambda r: (-netbench.parse_rate(r["ps_rate"] or r["rate"]),
+                                             r["ps"], r["placement"], r["spe"]))
+    base = [r for r in records if _config(r) == calibration]
+    if not base:
+        raise SystemExit(f"no record of the calibration configuration {calibration}; "
+                         f"have {[_config(r) for r in records]}")
+    fits = {d: calibrate(base[0], d) for d in ("half", "full")}
+    lines = [f"Calibrated on {calibration[0]}, {calibration[1]} ps, {calibration[2]}, "
+             f"spe {calibration[3]}: framing overhead {fits['full'][1]:.3f}, step time "
+             f"{fits['half'][0] * 1000:.1f} ms (half duplex) / {fits['full'][0] * 1000:.1f} ms "
+             "(full duplex).", "",
+             "| ps link | ps tasks | placement | spe | bytes on the busiest ps link KiB/step "
+             "| measured steps/s | simulator, half duplex | error | simulator, full duplex "
+             "| error |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in records:
+        busiest = max(c["tx_bytes"] for ns, c in r["counters"].items() if "-ps-" in ns)
+        cells = []
+        for duplex in ("half", "full"):
+            step_time, overhead = fits[duplex]
+            predicted = _simulate(r, step_time, overhead, duplex)
+            cells.append(f"{predicted:.2f} | {predicted / r['steps_per_s'] - 1:+.0%}")
+        mark = " (calibration)" if _config(r) == calibration else ""
+        lines.append(f"| {r['ps_rate'] or r['rate']} | {r['ps']} | {r['placement']}{mark} "
+                     f"| {r['spe']} | {busiest / r['steps'] / 1024:.0f} "
+                     f"| {r['steps_per_s']:.2f} | {' | '.join(cells)} |")
+    return "\n".join(lines)
 
 
 # -- the driver ------------------------------------------------------------------------------
 def run_cluster(args, chief_args, num_ps, rate, rates=None, during=None):
     """Brings the bench up, starts the servers and the chief; returns the chief's records."""
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = netbench_cluster.environment()
     tasks = {"chief": 1, "worker": NUM_WORKERS, "ps": num_ps}
     with netbench.Bench(tasks, rate=rate, rates=rates, name=BENCH_NAME) as bench:
-        servers = []
-        for kind in ("ps", "worker"):
-            for i in range(tasks[kind]):
-                proc = bench.popen(kind, i, [sys.executable, "-m", "kerasps.cli", "serve"],
-                                   env={**env, "TF_CONFIG": bench.tf_config(kind, i, PORT)},
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                servers.append((kind, i, proc))
-        for kind, i, proc in servers:  # each prints a line once its server is up
-            line = proc.stdout.readline()
-            while line and "serving at" not in line:
-                line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"{kind} {i} ended before serving")
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain
+        netbench_cluster.start_servers(bench, PORT)
         spaces = [t.namespace for t in bench.tasks.values()]
         chief = bench.popen("chief", 0, [sys.executable, os.path.abspath(__file__), "--chief",
                                          *chief_args],
@@ -174,8 +242,11 @@ def _summary(record):
         return (f"{record['optimizer']:9s} {record['steps_per_s']:6.1f} steps/s  "
                 f"{_wire_per_step(record) / 1024:6.1f} KiB on the wire per worker-step, "
                 f"bound {record['bound'] / 1024:.1f} KiB")
+    ps_tx = {ns.rsplit("-", 2)[-2] + ns.rsplit("-", 1)[-1]: c["tx_bytes"] / record["steps"]
+             for ns, c in record["counters"].items() if "-ps-" in ns}
     return (f"{record['placement']:11s} spe={record['spe']:<3d} "
-            f"{record['steps_per_s']:7.2f} steps/s")
+            f"{record['steps_per_s']:7.2f} steps/s  ps tx KiB/step "
+            + " ".join(f"{k}={v / 1024:.0f}" for k, v in sorted(ps_tx.items())))
 
 
 def _by_kind(record, kind, field):
@@ -220,7 +291,7 @@ def bytes_table(records):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("bytes", "throughput"))
+    parser.add_argument("mode", choices=("bytes", "throughput", "predict"))
     parser.add_argument("--chief", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--optimizers", nargs="+",
                         default=["sgd", "adagrad", "adam", "lazy_adam"])
@@ -231,14 +302,24 @@ def main(argv=None):
     parser.add_argument("--rate", default="1gbit", help="every link's rate")
     parser.add_argument("--ps-rate", default=None, help="the ps links' rate (throughput)")
     parser.add_argument("--ps", type=int, default=2)
-    parser.add_argument("--placement", default="round_robin")
-    parser.add_argument("--spe", type=int, default=1)
+    parser.add_argument("--placements", nargs="+", default=["round_robin", "greedy"])
+    parser.add_argument("--spes", type=int, nargs="+", default=[1, 10])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--json", help="append the records to this file (JSON lines)")
+    parser.add_argument("--json", help="append the records to this file (JSON lines); "
+                        "with predict, the throughput records to read")
+    parser.add_argument("--calibrate", default="1gbit,2,greedy,1",
+                        help="predict: the configuration the simulator is calibrated on "
+                        "(ps link rate, ps tasks, placement, steps_per_execution)")
     args = parser.parse_args(argv)
     args.steps = args.steps or (200 if args.mode == "bytes" else 60)
 
+    if args.mode == "predict":
+        with open(args.json) as f:
+            records = [r for r in map(json.loads, f) if r["mode"] == "throughput"]
+        rate, num_ps, placement, spe = args.calibrate.split(",")
+        print(predict_table(records, (rate, int(num_ps), placement, int(spe))))
+        return 0
     if args.chief:
         spaces = json.loads(os.environ["NETBENCH_SPACES"])
         (chief_bytes if args.mode == "bytes" else chief_throughput)(args, spaces)

@@ -178,3 +178,55 @@ def test_link_cut_and_restored(bench):
     assert after["rx_bytes"] == before["rx_bytes"]  # nothing crossed while it was down
     assert got["bytes"] == nbytes  # the connection survived the cut: TCP retransmits
     assert got["seconds"] >= cut
+
+
+@pytest.fixture(scope="module")
+def worker_cut_mid_fit(tmp_path_factory):
+    """Worker 1's link down for 5 s mid-`fit` (its process lives on, unreachable): the
+    chief's output with the time of each line, and when the cut began and ended."""
+    from benchmarks.netbench import cluster
+    from tests.launched import RunningJob
+    from tests.test_faults import TRAINING_CHIEF
+
+    tmp_path = tmp_path_factory.mktemp("cut")
+    script = tmp_path / "chief.py"
+    script.write_text(textwrap.dedent(TRAINING_CHIEF.split('    say("evaluate started")')[0]))
+    with netbench.Bench({"chief": 1, "worker": 2, "ps": 1}, rate="1gbit",
+                        name="tcut") as bench:
+        cluster.start_servers(bench)
+        chief = RunningJob(bench.command("chief", 0, [sys.executable, str(script)]),
+                           cwd=tmp_path,
+                           env=cluster.environment({"TF_CONFIG": bench.tf_config("chief", 0)}))
+        try:
+            chief.wait_for(r"^train batch 80$")
+            cut = time.time()
+            bench.cut("worker", 1, seconds=5.0)
+            restored = time.time()
+            chief.wait_for(r"^reexecuted (\d+)")
+            status = chief.finish()
+        finally:
+            chief.close()
+    assert netbench.leftovers("tcut") == []
+    return chief, status, cut, restored
+
+
+def test_worker_link_cut_mid_fit_finishes_with_every_step(worker_cut_mid_fit):
+    """`fit` ends with every requested step applied, steps run again counted in
+    `reexecuted_steps`, as after a worker kill."""
+    chief, status, _, _ = worker_cut_mid_fit
+    assert status == 0, chief.output()
+    iterations = int(chief.wait_for(r"^iterations (\d+)").group(1))
+    reexecuted = int(chief.wait_for(r"^reexecuted (\d+)").group(1))
+    assert iterations == 300 + reexecuted
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a worker cut off (not killed) stalls the whole fit (measured: no batch ends for 7.4 s "
+    "for a 5 s cut, worker 0 sent 66 KiB meanwhile); kerasps logs 'worker 1 left' after "
+    "~1.5 s, but presumably its in-flight step's RPC hangs on the surviving TCP connection "
+    "instead of failing as after a kill, and the steps dispatched behind it wait"))
+def test_worker_link_cut_mid_fit_lets_the_other_worker_train(worker_cut_mid_fit):
+    chief, _, cut, restored = worker_cut_mid_fit
+    during = [line for line, t in zip(chief.lines, chief.times, strict=True)
+              if cut + 2.0 < t < restored and line.startswith("train batch")]
+    assert len(during) >= 10, chief.output()
