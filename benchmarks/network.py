@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -181,9 +182,22 @@ def calibrate(record, duplex):
     return (lo * hi) ** 0.5, overhead
 
 
+def _merged(records):
+    """One record per configuration: the first run's, with the median steps/s of its runs
+    (`runs`: each run's steps/s)."""
+    groups: dict = {}
+    for r in records:
+        groups.setdefault(_config(r), []).append(r)
+    merged = []
+    for runs in groups.values():
+        rates = [r["steps_per_s"] for r in runs]
+        merged.append({**runs[0], "runs": rates, "steps_per_s": statistics.median(rates)})
+    return sorted(merged, key=lambda r: (-netbench.parse_rate(r["ps_rate"] or r["rate"]),
+                                         r["ps"], r["placement"], r["spe"]))
+
+
 def predict_table(records, calibration):
-    records = sorted(records, key=lambda r: (-netbench.parse_rate(r["ps_rate"] or r["rate"]),
-                                             r["ps"], r["placement"], r["spe"]))
+    records = _merged(records)
     base = [r for r in records if _config(r) == calibration]
     if not base:
         raise SystemExit(f"no record of the calibration configuration {calibration}; "
@@ -193,9 +207,10 @@ def predict_table(records, calibration):
              f"spe {calibration[3]}: framing overhead {fits['full'][1]:.3f}, step time "
              f"{fits['half'][0] * 1000:.1f} ms (half duplex) / {fits['full'][0] * 1000:.1f} ms "
              "(full duplex).", "",
-             "| ps link | ps tasks | placement | spe | bytes on the busiest ps link KiB/step "
-             "| measured steps/s | simulator, half duplex | error | simulator, full duplex "
-             "| error |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| ps link | ps tasks | placement | spe | bytes out of the busiest ps KiB/step "
+             "| measured steps/s (runs) | simulator, half duplex | error "
+             "| simulator, full duplex | error |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in records:
         busiest = max(c["tx_bytes"] for ns, c in r["counters"].items() if "-ps-" in ns)
         cells = []
@@ -204,9 +219,10 @@ def predict_table(records, calibration):
             predicted = _simulate(r, step_time, overhead, duplex)
             cells.append(f"{predicted:.2f} | {predicted / r['steps_per_s'] - 1:+.0%}")
         mark = " (calibration)" if _config(r) == calibration else ""
+        runs = ", ".join(f"{x:.2f}" for x in r["runs"])
         lines.append(f"| {r['ps_rate'] or r['rate']} | {r['ps']} | {r['placement']}{mark} "
                      f"| {r['spe']} | {busiest / r['steps'] / 1024:.0f} "
-                     f"| {r['steps_per_s']:.2f} | {' | '.join(cells)} |")
+                     f"| {r['steps_per_s']:.2f} ({runs}) | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
@@ -315,8 +331,10 @@ def main(argv=None):
     args.steps = args.steps or (200 if args.mode == "bytes" else 60)
 
     if args.mode == "predict":
-        with open(args.json) as f:
-            records = [r for r in map(json.loads, f) if r["mode"] == "throughput"]
+        records = []
+        for path in args.json.split(","):
+            with open(path) as f:
+                records += [r for r in map(json.loads, f) if r["mode"] == "throughput"]
         rate, num_ps, placement, spe = args.calibrate.split(",")
         print(predict_table(records, (rate, int(num_ps), placement, int(spe))))
         return 0
