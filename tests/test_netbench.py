@@ -180,15 +180,14 @@ def test_link_cut_and_restored(bench):
     assert got["seconds"] >= cut
 
 
-@pytest.fixture(scope="module")
-def worker_cut_mid_fit(tmp_path_factory):
-    """Worker 1's link down for 5 s mid-`fit` (its process lives on, unreachable): the
-    chief's output with the time of each line, and when the cut began and ended."""
+def _cut_mid_fit(tmp_path, kind, index):
+    """`kind` `index`'s link down for 5 s mid-`fit` (its process lives on, unreachable) in
+    a cluster of 2 workers and 1 ps: the chief's output with the time of each line, its
+    exit status, and when the cut began and ended."""
     from benchmarks.netbench import cluster
     from tests.launched import RunningJob
     from tests.test_faults import TRAINING_CHIEF
 
-    tmp_path = tmp_path_factory.mktemp("cut")
     script = tmp_path / "chief.py"
     script.write_text(textwrap.dedent(TRAINING_CHIEF.split('    say("evaluate started")')[0]))
     with netbench.Bench({"chief": 1, "worker": 2, "ps": 1}, rate="1gbit",
@@ -200,7 +199,7 @@ def worker_cut_mid_fit(tmp_path_factory):
         try:
             chief.wait_for(r"^train batch 80$")
             cut = time.time()
-            bench.cut("worker", 1, seconds=5.0)
+            bench.cut(kind, index, seconds=5.0)
             restored = time.time()
             chief.wait_for(r"^reexecuted (\d+)")
             status = chief.finish()
@@ -208,6 +207,27 @@ def worker_cut_mid_fit(tmp_path_factory):
             chief.close()
     assert netbench.leftovers("tcut") == []
     return chief, status, cut, restored
+
+
+@pytest.fixture(scope="module")
+def worker_cut_mid_fit(tmp_path_factory):
+    return _cut_mid_fit(tmp_path_factory.mktemp("worker_cut"), "worker", 1)
+
+
+@pytest.fixture(scope="module")
+def ps_cut_mid_fit(tmp_path_factory):
+    return _cut_mid_fit(tmp_path_factory.mktemp("ps_cut"), "ps", 0)
+
+
+def test_ps_link_cut_mid_fit_finishes_with_every_step_and_no_restore(ps_cut_mid_fit):
+    """Better than a kill (which, without a launcher to restart the ps, ends `fit` with an
+    error): the ps kept its state, so `fit` waits for the link and goes on, each step
+    applied once."""
+    chief, status, _, _ = ps_cut_mid_fit
+    assert status == 0, chief.output()
+    assert int(chief.wait_for(r"^iterations (\d+)").group(1)) == 300
+    assert int(chief.wait_for(r"^reexecuted (\d+)").group(1)) == 0
+    assert not any("restor" in line.lower() for line in chief.lines), chief.output()
 
 
 def test_worker_link_cut_mid_fit_finishes_with_every_step(worker_cut_mid_fit):
