@@ -231,7 +231,9 @@ def run_cluster(args, chief_args, num_ps, rate, rates=None, during=None):
     """Brings the bench up, starts the servers and the chief; returns the chief's records."""
     env = netbench_cluster.environment()
     tasks = {"chief": 1, "worker": NUM_WORKERS, "ps": num_ps}
-    with netbench.Bench(tasks, rate=rate, rates=rates, name=BENCH_NAME) as bench:
+    sysctls = dict(item.split("=", 1) for item in args.sysctl)
+    with netbench.Bench(tasks, rate=rate, rates=rates, name=BENCH_NAME,
+                        sysctls=sysctls) as bench:
         netbench_cluster.start_servers(bench, PORT)
         spaces = [t.namespace for t in bench.tasks.values()]
         chief = bench.popen("chief", 0, [sys.executable, os.path.abspath(__file__), "--chief",
@@ -318,6 +320,8 @@ def main(argv=None):
     parser.add_argument("--rate", default="1gbit", help="every link's rate")
     parser.add_argument("--ps-rate", default=None, help="the ps links' rate (throughput)")
     parser.add_argument("--ps", type=int, default=2)
+    parser.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                        help="a sysctl set in every task's namespace (repeatable)")
     parser.add_argument("--placements", nargs="+", default=["round_robin", "greedy"])
     parser.add_argument("--spes", type=int, nargs="+", default=[1, 10])
     parser.add_argument("--batch", type=int, default=32)

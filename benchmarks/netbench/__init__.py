@@ -199,9 +199,12 @@ class Bench:
         rates: per task type, e.g. `{"ps": "100mbit"}`.
         name: the bench's name in its namespaces' names (`kps-<name>-...`), lowercase
             letters and digits, so that benches can coexist.
+        sysctls: per-namespace sysctls set in every task's namespace, e.g.
+            `{"net.ipv4.tcp_slow_start_after_idle": 0}`.
     """
 
-    def __init__(self, tasks, rate=None, rates=None, name: str = DEFAULT_NAME):
+    def __init__(self, tasks, rate=None, rates=None, name: str = DEFAULT_NAME,
+                 sysctls=None):
         if not _NAME.match(name):
             raise ValueError("Invalid value for argument `name`: 1 to 12 lowercase letters "
                              f"or digits. Received: name={name!r}")
@@ -217,6 +220,7 @@ class Bench:
                                            str(next(hosts)), f"{kind[:8]}{i}",
                                            rates.get(kind, default))
         self.bridge_namespace = f"{PREFIX}{name}-br"
+        self.sysctls = dict(sysctls or {})
         self._processes: list[subprocess.Popen] = []
         self._previous_sigterm = None
         self._up = False
@@ -256,6 +260,8 @@ class Bench:
         for task in self.tasks.values():
             ns = task.namespace
             self._netns(ns)
+            for key, value in self.sysctls.items():
+                _run("ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={value}")
             _run("ip", "-n", ns, "link", "add", "name", IFNAME, "type", "veth", "peer", "name",
                  task.port_name, "netns", br)
             _run("ip", "-n", br, "link", "set", task.port_name, "master", BRIDGE)
