@@ -241,12 +241,16 @@ def test_worker_link_cut_mid_fit_finishes_with_every_step(worker_cut_mid_fit):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "a worker cut off (not killed) stalls the whole fit (measured: no batch ends for 7.4 s "
-    "for a 5 s cut, worker 0 sent 66 KiB meanwhile); kerasps logs 'worker 1 left' after "
-    "~1.5 s, but presumably its in-flight step's RPC hangs on the surviving TCP connection "
-    "instead of failing as after a kill, and the steps dispatched behind it wait"))
-def test_worker_link_cut_mid_fit_lets_the_other_worker_train(worker_cut_mid_fit):
-    chief, _, cut, restored = worker_cut_mid_fit
-    during = [line for line, t in zip(chief.lines, chief.times, strict=True)
-              if cut + 2.0 < t < restored and line.startswith("train batch")]
-    assert len(during) >= 10, chief.output()
+    "a worker cut off (not killed) holds the end of the epoch until its link is back: its "
+    "in-flight step's result fetch (`_tf._set_values`, a closure thread of TensorFlow's "
+    "coordinator) hangs on the surviving TCP connection, and `fit`'s end-of-epoch "
+    "`coordinator.join()` (`Window.drain`) waits for it, up to `step_timeout` (600 s); "
+    "after a kill the step fails at once and runs again on the other worker. kerasps' "
+    "watcher logs the worker as left after ~1.5 s but does not fail its step"))
+def test_worker_link_cut_mid_fit_does_not_hold_the_epoch(worker_cut_mid_fit):
+    """The cut comes at step 80 of a 300-step `fit` of 50-step epochs; worker 0 can run
+    steps 81-100 alone, so the epoch can end (step 100 delivered) before the link is back."""
+    chief, _, _, restored = worker_cut_mid_fit
+    ended = [t for line, t in zip(chief.lines, chief.times, strict=True)
+             if line == "train batch 100"]
+    assert ended and ended[0] < restored, chief.output()
