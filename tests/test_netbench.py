@@ -104,6 +104,14 @@ def test_sigterm_tears_down_and_down_cleans_a_crashed_run():
     assert sleeper
     with pytest.raises(RuntimeError, match="already up"):
         netbench.Bench({"worker": 1}, name="tcrash").up()
+    with pytest.raises(RuntimeError, match="already up"):  # leaves the other bench alone
+        with netbench.Bench({"worker": 1}, name="tcrash"):
+            pass
+    assert netbench.leftovers("tcrash") == left
+    up = subprocess.run([sys.executable, "-m", "benchmarks.netbench", "up", "--name", "tcrash"],
+                        env=ENV, cwd=ROOT, capture_output=True, text=True)
+    assert up.returncode != 0 and "already up" in up.stderr
+    assert netbench.leftovers("tcrash") == left
     out = subprocess.run([sys.executable, "-m", "benchmarks.netbench", "down", "--name",
                           "tcrash"], env=ENV, cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout

@@ -295,7 +295,8 @@ class Bench:
 
     def down(self):
         """Ends the processes `popen` started and any other left in the bench's namespaces,
-        then deletes the namespaces (their veth links go with them)."""
+        then deletes the namespaces (their veth links go with them); does nothing to
+        namespaces this object did not create (see the module's `down` for leftovers)."""
         for proc in self._processes:
             if proc.poll() is None:
                 proc.terminate()
@@ -306,7 +307,8 @@ class Bench:
                 proc.kill()
                 proc.wait()
         self._processes.clear()
-        down(self.name)
+        if self._up:  # never another bench's namespaces (an `up` refused as already up)
+            down(self.name)
         self._up = False
 
     # -- use -------------------------------------------------------------------------------

@@ -70,6 +70,9 @@ def main(argv=None) -> int:
             parts = ns[len(netbench.PREFIX) + len(args.name) + 1:].rsplit("-", 1)
             if len(parts) == 2 and parts[1].isdigit():
                 tasks[parts[0]] = max(tasks.get(parts[0], 0), int(parts[1]) + 1)
+        if not tasks:
+            print(f"netbench: bench {args.name!r} is not up", file=sys.stderr)
+            return 1
         bench = netbench.Bench(tasks, name=args.name)  # names only: it is already up
         bench.cut(args.kind, args.index, args.seconds)
         print(f"netbench: {args.kind} {args.index}'s link was down {args.seconds:g} s")
@@ -80,6 +83,10 @@ def main(argv=None) -> int:
     if not args.hold:
         try:
             bench.up()
+        except RuntimeError as e:
+            bench.down()
+            print(f"netbench: {e}", file=sys.stderr)
+            return 1
         except BaseException:
             bench.down()
             raise
