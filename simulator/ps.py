@@ -39,7 +39,10 @@ class ParameterServer:
         service_time: seconds it spends on one worker step (apply the
             gradient, serve the read); with contention, this plus the wire
             time is how long a step holds `resource`.
-        resource: a capacity-1 simpy `Resource` when ps contention is modelled.
+        resource: a capacity-1 simpy `Resource` when ps contention is modelled: the
+            task's link (with a full-duplex `[network]`, its inbound direction: the
+            gradients, and the apply).
+        uplink: with contention, the outbound direction of a full-duplex link (reads).
         up: `False` while it is down after a crash.
         busy: seconds spent serving (contention mode only; otherwise derived).
     """
@@ -52,6 +55,7 @@ class ParameterServer:
         self.service_time = (0.0 if math.isinf(spec.service_rate)
                              else self.step_bytes / spec.service_rate)
         self.resource = simpy.Resource(env, capacity=1) if spec.contention else None
+        self.uplink = simpy.Resource(env, capacity=1) if spec.contention else None
         self.up = True
         self.busy = 0.0
         self.process: simpy.Process | None = None

@@ -142,10 +142,15 @@ class NetworkSpec:
     Attributes:
         bandwidth: bytes per second of one link.
         latency: one-way latency of one message, in seconds.
+        duplex: `"half"`: with ps contention, a step's variable read and its gradient
+            take turns on the ps task's link (a step holds it for both); `"full"`: the
+            link carries reads (out of the ps task) and gradients (into it) at once, as a
+            switched Ethernet link does, so one worker's read overlaps another's gradient.
     """
 
     bandwidth: float = math.inf
     latency: float = 0.0
+    duplex: str = "half"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,7 +445,10 @@ def _parse(data: dict, source: str | None, base_dir: str | None) -> Scenario:
     n = top.table("network", {})
     network = NetworkSpec(bandwidth=n.number("bandwidth", math.inf, positive=True,
                                              allow_inf=True),
-                          latency=n.number("latency", 0.0, non_negative=True))
+                          latency=n.number("latency", 0.0, non_negative=True),
+                          duplex=n.string("duplex", "half"))
+    if network.duplex not in ("half", "full"):
+        raise n.error("duplex", network.duplex, "expected one of ['half', 'full']")
     n.finish()
 
     model = _parse_model(top.table("model", {}), ps.count)

@@ -104,9 +104,29 @@ class Cluster:
                 if latency:
                     yield env.timeout(latency)
 
+            def read(server):  # full duplex: out of the ps task
+                with server.uplink.request() as request:
+                    yield request
+                    yield env.timeout(self.network.wire_time(server.step_bytes))
+                if latency:
+                    yield env.timeout(latency / 2)
+
+            def send(server):  # full duplex: into the ps task, and the apply
+                with server.resource.request() as request:
+                    yield request
+                    hold = self.network.wire_time(server.step_bytes) + server.service_time
+                    yield env.timeout(hold)
+                    server.busy += hold
+                if latency:
+                    yield env.timeout(latency / 2)
+
             def transfers():
-                yield env.all_of([env.process(transfer(server))
-                                  for server in self.servers if server.step_bytes])
+                servers = [server for server in self.servers if server.step_bytes]
+                if s.network.duplex == "full":  # every read before any gradient
+                    yield env.all_of([env.process(read(server)) for server in servers])
+                    yield env.all_of([env.process(send(server)) for server in servers])
+                else:
+                    yield env.all_of([env.process(transfer(server)) for server in servers])
 
             parts.append(transfers)
         if self.cpu is not None:

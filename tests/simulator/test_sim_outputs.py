@@ -147,3 +147,25 @@ def test_sweep_validates_every_value_before_running():
     with pytest.raises(simulator.ScenarioError, match="training.backup_workers=9"):
         simulator.sweep(make(4, training={"mode": "sync"}),
                         {"training.backup_workers": [0, 9]})
+
+
+def test_full_duplex_links_carry_reads_and_gradients_at_once():
+    # One ps task with 1e6 bytes, links of 1e6 B/s, 2 workers with negligible compute. A
+    # half-duplex link holds each step's read and gradient in turn (2 s a step: 0.5 steps/s);
+    # a full-duplex one (as a switched Ethernet link, and the network bench's) carries one
+    # worker's read while the other's gradient arrives: 1 s of each direction a step.
+    model = {"variables": [{"name": "w", "shape": [1000, 250]}]}
+    half = make(2, {"distribution": "constant", "value": 1e-6}, model=model,
+                ps={"contention": True}, network={"bandwidth": 1e6}, training={"steps": 200})
+    assert half.network.duplex == "half"
+    assert simulator.run(half).steps_per_second == pytest.approx(0.5, rel=0.02)
+    full = half.with_overrides({"network.duplex": "full"})
+    result = simulator.run(full)
+    assert result.steps_per_second == pytest.approx(1.0, rel=0.02)
+    assert result.ps[0]["utilization"] == pytest.approx(1.0, abs=0.02)
+    # Without contention the folded cost of a step is the same either way: read, then send.
+    folded = make(1, {"distribution": "constant", "value": 1.0}, model=model,
+                  network={"bandwidth": 1e6, "duplex": "full"}, training={"steps": 10})
+    assert simulator.run(folded).step_time == pytest.approx(3.0)
+    with pytest.raises(simulator.ScenarioError, match="duplex"):
+        half.with_overrides({"network.duplex": "simplex"})

@@ -1,0 +1,375 @@
+"""Bytes on the wire and throughput on rate-limited links: kerasps on the network bench.
+
+Every task runs in its own network namespace of `benchmarks.netbench` (so its interface
+counters are exactly its traffic): `kerasps serve` in each worker and ps namespace, the
+chief (this script with `--chief`) in its own, TF_CONFIG naming the namespaces' addresses.
+Needs root.
+
+`bytes` (issue 21 part 2): the embedding workloads of `benchmarks/embedding_scaling.py`
+(Embedding(vocab, 32) in 2 shards over 2 ps tasks, 3 ids per example, Flatten,
+Dense(32), Dense(1), 2 workers, per-worker batch 64, steps_per_execution 10), one `fit`
+per optimizer on the same cluster: the bytes each task sent and received during a timed
+`fit`, per worker-step, against the bound: the touched rows x 32 x 4 B gathered and their
+gradient sent, plus the dense weights read and their gradients sent.
+
+`throughput` (issue 21 part 3): worker-steps/s of an unbalanced dense model (one
+1024x1024 kernel beside smaller ones, so that round_robin puts most bytes on one ps) at
+a given ps link rate, against the simulator's prediction.
+
+    sudo python benchmarks/network.py bytes                       # 4 optimizers, ~4 min
+    sudo python benchmarks/network.py bytes --optimizers sgd --steps 50
+    sudo python benchmarks/network.py throughput --ps-rate 100mbit --ps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchmarks import netbench  # noqa: E402
+from benchmarks.netbench import cluster as netbench_cluster  # noqa: E402
+
+PORT = netbench_cluster.PORT
+RESULT = "NETWORK_RESULT "
+NUM_WORKERS = 2
+BENCH_NAME = "net"
+
+
+# -- the chief (inside its namespace) --------------------------------------------------------
+def _all_counters(spaces):
+    return {ns: netbench.counters(ns) for ns in spaces}
+
+
+def _delta(before, after):
+    return {ns: {k: after[ns][k] - before[ns][k] for k in after[ns]} for ns in after}
+
+
+def _dense_params(model):
+    return sum(int(v.shape.num_elements()) for v in model.trainable_variables
+               if "embedding" not in v.path)
+
+
+def chief_bytes(args, spaces):
+    import embedding_scaling as es
+    import keras
+
+    import kerasps
+
+    for optimizer in args.optimizers:
+        strategy = kerasps.ParameterServerStrategy(
+            kerasps.cluster.from_tf_config(), sparse_updates=es.OPTIMIZERS[optimizer][1],
+            variable_partitioner=kerasps.partitioners.MinSizePartitioner(
+                min_shard_bytes=es.MIN_SHARD_BYTES, max_shards=2))
+        with strategy.scope():
+            model = es._compiled_model(keras, args.vocab, optimizer)
+        data = kerasps.DatasetCreator(es._dataset_fn(args.vocab))
+        model.fit(data, epochs=1, steps_per_epoch=args.warmup, verbose=0)
+        before, start = _all_counters(spaces), time.perf_counter()
+        model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)
+        seconds = time.perf_counter() - start
+        delta = _delta(before, _all_counters(spaces))
+        rows = es.rows_per_worker_step(args.vocab) * es.DIM * 4
+        dense = _dense_params(model) * 4
+        print(RESULT + json.dumps({
+            "mode": "bytes", "optimizer": optimizer, "vocab": args.vocab,
+            "steps": args.steps, "spe": es.SPE, "steps_per_s": args.steps / seconds,
+            "bound_rows_bytes": rows, "bound_dense_bytes": dense,
+            "bound": 2 * (rows + dense), "counters": delta,
+            "placement": [(r.name, r.bytes, r.ps_task) for r in
+                          strategy.placement_report()]}), flush=True)
+
+
+# Unbalanced: two 512x512 kernels (1 MiB each) with small biases between them; round_robin
+# (creation order, kernel and bias alternating) puts both kernels on ps 0, greedy one on each.
+UNBALANCED = (512, 512, 512)  # input, dense_1, dense_2 units
+
+
+def _unbalanced_model(keras):
+    layers = keras.layers
+    return keras.Sequential([keras.Input(shape=(UNBALANCED[0],)),
+                             layers.Dense(UNBALANCED[1], name="dense_1"),
+                             layers.Dense(UNBALANCED[2], name="dense_2"),
+                             layers.Dense(1, name="out")])
+
+
+def chief_throughput(args, spaces):
+    import keras
+    import tensorflow as tf
+
+    import kerasps
+
+    def dataset_fn(input_context):
+        x = tf.random.uniform([args.batch, UNBALANCED[0]])
+        return tf.data.Dataset.from_tensors((x, tf.zeros([args.batch, 1]))).repeat()
+
+    for placement in args.placements:
+        for spe in args.spes:
+            strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config(),
+                                                       placement=placement)
+            with strategy.scope():
+                model = _unbalanced_model(keras)
+                model.compile(keras.optimizers.SGD(0.001), "mse", steps_per_execution=spe)
+            data = kerasps.DatasetCreator(dataset_fn)
+            model.fit(data, epochs=1, steps_per_epoch=max(spe, args.warmup), verbose=0)
+            before, start = _all_counters(spaces), time.perf_counter()
+            model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)
+            seconds = time.perf_counter() - start
+            print(RESULT + json.dumps({
+                "mode": "throughput", "placement": placement, "spe": spe,
+                "steps": args.steps, "steps_per_s": args.steps / seconds, "seconds": seconds,
+                "counters": _delta(before, _all_counters(spaces)),
+                "variables": [(r.name, r.bytes, r.ps_task)
+                              for r in strategy.placement_report()]}), flush=True)
+
+
+# -- the simulator's prediction ---------------------------------------------------------------
+def _config(record):
+    return (record["ps_rate"] or record["rate"], record["ps"], record["placement"], record["spe"])
+
+
+def _scenario(record, step_time, overhead, duplex):
+    """The simulator's scenario of `record`'s run: its variables (as the placement report
+    names them, in creation order) placed by the same policy, 2 workers of constant step
+    time, ps links of the record's rate less the framing `overhead` (wire / variable bytes),
+    ps contention, no latency."""
+    import simulator
+
+    bandwidth = netbench.parse_rate(record["ps_rate"] or record["rate"]) / 8 / overhead
+    return simulator.Scenario.from_dict({
+        "name": "netbench", "seed": 0,
+        "workers": {"count": NUM_WORKERS,
+                    "step_time": {"distribution": "constant", "value": step_time}},
+        "ps": {"count": record["ps"], "contention": True},
+        "network": {"bandwidth": bandwidth, "latency": 0.0, "duplex": duplex},
+        "training": {"mode": "async", "steps": 400},
+        "model": {"placement": record["placement"],
+                  "variables": [{"name": name, "shape": [max(1, nbytes // 4)]}
+                                for name, nbytes, _ in record["variables"]]}})
+
+
+def _simulate(record, step_time, overhead, duplex):
+    import simulator
+
+    return simulator.run(_scenario(record, step_time, overhead, duplex)).steps_per_second
+
+
+def _overhead(record):
+    """Bytes the ps tasks sent per worker-step over the variable bytes they hold."""
+    sent = sum(c["tx_bytes"] for ns, c in record["counters"].items() if "-ps-" in ns)
+    return sent / record["steps"] / sum(nbytes for _, nbytes, _ in record["variables"])
+
+
+def calibrate(record, duplex):
+    """The constant step time (compute and everything off the ps links) for which the
+    simulator reproduces `record`'s throughput, with its measured framing overhead."""
+    overhead = _overhead(record)
+    lo, hi = 1e-5, 10.0
+    for _ in range(40):  # throughput falls as the step time grows: bisect (geometrically)
+        mid = (lo * hi) ** 0.5
+        if _simulate(record, mid, overhead, duplex) > record["steps_per_s"]:
+            lo = mid
+        else:
+            hi = mid
+    return (lo * hi) ** 0.5, overhead
+
+
+def _merged(records):
+    """One record per configuration: the first run's, with the median steps/s of its runs
+    (`runs`: each run's steps/s)."""
+    groups: dict = {}
+    for r in records:
+        groups.setdefault(_config(r), []).append(r)
+    merged = []
+    for runs in groups.values():
+        rates = [r["steps_per_s"] for r in runs]
+        merged.append({**runs[0], "runs": rates, "steps_per_s": statistics.median(rates)})
+    return sorted(merged, key=lambda r: (-netbench.parse_rate(r["ps_rate"] or r["rate"]),
+                                         r["ps"], r["placement"], r["spe"]))
+
+
+def predict_table(records, calibration):
+    records = _merged(records)
+    base = [r for r in records if _config(r) == calibration]
+    if not base:
+        raise SystemExit(f"no record of the calibration configuration {calibration}; "
+                         f"have {[_config(r) for r in records]}")
+    fits = {d: calibrate(base[0], d) for d in ("half", "full")}
+    lines = [f"Calibrated on {calibration[0]}, {calibration[1]} ps, {calibration[2]}, "
+             f"spe {calibration[3]}: framing overhead {fits['full'][1]:.3f}, step time "
+             f"{fits['half'][0] * 1000:.1f} ms (half duplex) / {fits['full'][0] * 1000:.1f} ms "
+             "(full duplex).", "",
+             "| ps link | ps tasks | placement | spe | bytes out of the busiest ps KiB/step "
+             "| measured steps/s (runs) | simulator, half duplex | error "
+             "| simulator, full duplex | error |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in records:
+        busiest = max(c["tx_bytes"] for ns, c in r["counters"].items() if "-ps-" in ns)
+        cells = []
+        for duplex in ("half", "full"):
+            step_time, overhead = fits[duplex]
+            predicted = _simulate(r, step_time, overhead, duplex)
+            cells.append(f"{predicted:.2f} | {predicted / r['steps_per_s'] - 1:+.0%}")
+        mark = " (calibration)" if _config(r) == calibration else ""
+        runs = ", ".join(f"{x:.2f}" for x in r["runs"])
+        lines.append(f"| {r['ps_rate'] or r['rate']} | {r['ps']} | {r['placement']}{mark} "
+                     f"| {r['spe']} | {busiest / r['steps'] / 1024:.0f} "
+                     f"| {r['steps_per_s']:.2f} ({runs}) | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+# -- the driver ------------------------------------------------------------------------------
+def run_cluster(args, chief_args, num_ps, rate, rates=None, during=None):
+    """Brings the bench up, starts the servers and the chief; returns the chief's records."""
+    env = netbench_cluster.environment()
+    tasks = {"chief": 1, "worker": NUM_WORKERS, "ps": num_ps}
+    sysctls = dict(item.split("=", 1) for item in args.sysctl)
+    with netbench.Bench(tasks, rate=rate, rates=rates, name=BENCH_NAME,
+                        sysctls=sysctls) as bench:
+        netbench_cluster.start_servers(bench, PORT)
+        spaces = [t.namespace for t in bench.tasks.values()]
+        chief = bench.popen("chief", 0, [sys.executable, os.path.abspath(__file__), "--chief",
+                                         *chief_args],
+                            env={**env, "TF_CONFIG": bench.tf_config("chief", 0, PORT),
+                                 "NETBENCH_SPACES": json.dumps(spaces)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if during:
+            during(bench)
+        records, tail = [], []
+        for line in chief.stdout:
+            if line.startswith(RESULT):
+                records.append(json.loads(line[len(RESULT):]))
+                print(f"  {_summary(records[-1])}", flush=True)
+            else:
+                tail = (tail + [line.rstrip()])[-30:]
+        if chief.wait(timeout=args.timeout) != 0:
+            raise RuntimeError(f"the chief exited with {chief.returncode}:\n" + "\n".join(tail))
+        return records
+
+
+def _summary(record):
+    if record["mode"] == "bytes":
+        return (f"{record['optimizer']:9s} {record['steps_per_s']:6.1f} steps/s  "
+                f"{_wire_per_step(record) / 1024:6.1f} KiB on the wire per worker-step, "
+                f"bound {record['bound'] / 1024:.1f} KiB")
+    ps_tx = {ns.rsplit("-", 2)[-2] + ns.rsplit("-", 1)[-1]: c["tx_bytes"] / record["steps"]
+             for ns, c in record["counters"].items() if "-ps-" in ns}
+    return (f"{record['placement']:11s} spe={record['spe']:<3d} "
+            f"{record['steps_per_s']:7.2f} steps/s  ps tx KiB/step "
+            + " ".join(f"{k}={v / 1024:.0f}" for k, v in sorted(ps_tx.items())))
+
+
+def _by_kind(record, kind, field):
+    return sum(c[field] for ns, c in record["counters"].items()
+               if ns.split("-")[2] == kind) / record["steps"]
+
+
+def _wire_per_step(record):
+    """Every byte is counted once, at its sender."""
+    return sum(c["tx_bytes"] for c in record["counters"].values()) / record["steps"]
+
+
+HEADERS = 66  # bytes per packet: Ethernet 14, IPv4 20, TCP 32 (with timestamps)
+
+
+def _payload_per_step(record):
+    """The bytes on the wire less the Ethernet, IP and TCP headers of every packet."""
+    return sum(c["tx_bytes"] - HEADERS * c["tx_packets"]
+               for c in record["counters"].values()) / record["steps"]
+
+
+def bytes_table(records):
+    lines = ["| optimizer | steps/s | worker rx / tx KiB | ps rx / tx KiB | chief rx / tx KiB "
+             "| on the wire KiB | bound KiB (rows + dense, each way) | workers' rx+tx / bound "
+             "| on the wire / bound | TCP payload / bound |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in records:
+        k = {kind: (_by_kind(r, kind, "rx_bytes") / 1024, _by_kind(r, kind, "tx_bytes") / 1024)
+             for kind in ("worker", "ps", "chief")}
+        bound = r["bound"] / 1024
+        lines.append(
+            f"| {r['optimizer']} | {r['steps_per_s']:.1f} "
+            f"| {k['worker'][0]:.1f} / {k['worker'][1]:.1f} "
+            f"| {k['ps'][0]:.1f} / {k['ps'][1]:.1f} | {k['chief'][0]:.2f} / {k['chief'][1]:.2f} "
+            f"| {_wire_per_step(r) / 1024:.1f} "
+            f"| {bound:.1f} ({r['bound_rows_bytes'] / 1024:.1f} + "
+            f"{r['bound_dense_bytes'] / 1024:.1f}) "
+            f"| {sum(k['worker']) / bound:.2f} | **{_wire_per_step(r) / 1024 / bound:.2f}** "
+            f"| {_payload_per_step(r) / 1024 / bound:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=("bytes", "throughput", "predict"))
+    parser.add_argument("--chief", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--optimizers", nargs="+",
+                        default=["sgd", "adagrad", "adam", "lazy_adam"])
+    parser.add_argument("--vocab", type=int, default=200_000)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed worker-steps (default 200 bytes, 60 throughput)")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--rate", default="1gbit", help="every link's rate")
+    parser.add_argument("--ps-rate", default=None, help="the ps links' rate (throughput)")
+    parser.add_argument("--ps", type=int, default=2)
+    parser.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                        help="a sysctl set in every task's namespace (repeatable)")
+    parser.add_argument("--placements", nargs="+", default=["round_robin", "greedy"])
+    parser.add_argument("--spes", type=int, nargs="+", default=[1, 10])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--json", help="append the records to this file (JSON lines); "
+                        "with predict, the throughput records to read")
+    parser.add_argument("--calibrate", default="1gbit,2,greedy,1",
+                        help="predict: the configuration the simulator is calibrated on "
+                        "(ps link rate, ps tasks, placement, steps_per_execution)")
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (200 if args.mode == "bytes" else 60)
+
+    if args.mode == "predict":
+        records = []
+        for path in args.json.split(","):
+            with open(path) as f:
+                records += [r for r in map(json.loads, f) if r["mode"] == "throughput"]
+        rate, num_ps, placement, spe = args.calibrate.split(",")
+        print(predict_table(records, (rate, int(num_ps), placement, int(spe))))
+        return 0
+    if args.chief:
+        spaces = json.loads(os.environ["NETBENCH_SPACES"])
+        (chief_bytes if args.mode == "bytes" else chief_throughput)(args, spaces)
+        return 0
+    reason = netbench.available()
+    if reason:
+        print(f"network.py: {reason}", file=sys.stderr)
+        return 2
+    chief_args = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--json"]
+    if args.json:
+        chief_args = [a for a in chief_args if a != args.json]
+    num_ps = 2 if args.mode == "bytes" else args.ps
+    rates = {"ps": args.ps_rate} if args.ps_rate else None
+    print(f"# network.py {args.mode}: {NUM_WORKERS} workers, {num_ps} ps, links {args.rate}"
+          + (f", ps links {args.ps_rate}" if args.ps_rate else "")
+          + f"; load average {os.getloadavg()[0]:.1f}", flush=True)
+    records = run_cluster(args, chief_args, num_ps, args.rate, rates)
+    for r in records:
+        r.update(rate=args.rate, ps_rate=args.ps_rate, ps=num_ps,
+                 load_after=os.getloadavg()[0])
+    if args.mode == "bytes":
+        print(bytes_table(records))
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

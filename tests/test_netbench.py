@@ -1,0 +1,278 @@
+"""The network bench (`benchmarks.netbench`): setup and teardown, rate limits, link cuts.
+
+Root and `ip netns` are needed; without them every test here is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from benchmarks import netbench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_the_bench():
+    """Skips with the reason where no bench can be built (not root, no `ip netns`, ...);
+    probed when a test runs, not when the suite is collected."""
+    reason = netbench.available() if sys.platform.startswith("linux") else "Linux only"
+    if reason is not None:
+        pytest.skip(f"network bench: {reason}")
+
+ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _root_links() -> set[str]:
+    out = subprocess.run(["ip", "-j", "link", "show"], capture_output=True, text=True,
+                         check=True).stdout
+    return {link["ifname"] for link in json.loads(out)}
+
+
+def test_setup_and_teardown_leave_nothing_behind():
+    links = _root_links()
+    with netbench.Bench("chief=1,worker=2,ps=2", rate="100mbit", name="tsetup") as bench:
+        spaces = set(netbench.leftovers("tsetup"))
+        assert spaces == {f"kps-tsetup-{t}" for t in
+                          ("br", "chief-0", "worker-0", "worker-1", "ps-0", "ps-1")}
+        ps = bench.task("ps", 1)
+        routes = subprocess.run(["ip", "-n", ps.namespace, "route"], capture_output=True,
+                                text=True, check=True).stdout.strip().splitlines()
+        assert len(routes) == 1 and routes[0].startswith("10.77.0.0/24 dev eth0"), routes
+        assert bench.address("ps", 1) == "10.77.0.5"
+        assert json.loads(bench.tf_config("worker", 1)) == {
+            "cluster": {"chief": ["10.77.0.1:2222"],
+                        "ps": ["10.77.0.4:2222", "10.77.0.5:2222"],
+                        "worker": ["10.77.0.2:2222", "10.77.0.3:2222"]},
+            "task": {"type": "worker", "index": 1}}
+        qdiscs = subprocess.run(["tc", "-n", bench.bridge_namespace, "qdisc"],
+                                capture_output=True, text=True, check=True).stdout
+        assert qdiscs.count("tbf") == 5 and "rate 100Mbit" in qdiscs
+        assert _root_links() == links  # nothing in the machine's own namespace
+    assert netbench.leftovers("tsetup") == []
+    assert _root_links() == links
+
+    # An exception inside the block, with a process still running in a namespace.
+    with pytest.raises(RuntimeError, match="inside"):
+        with netbench.Bench({"worker": 1}, name="tsetup") as bench:
+            proc = bench.popen("worker", 0, ["sleep", "600"])
+            raise RuntimeError("a failure inside the block")
+    assert proc.poll() is not None
+    assert netbench.leftovers("tsetup") == []
+
+
+def _bench_process(name: str, body: str) -> subprocess.Popen:
+    code = textwrap.dedent(f"""
+        import signal, sys
+        from benchmarks import netbench
+        with netbench.Bench({{"worker": 1, "ps": 1}}, rate="10mbit", name={name!r}) as bench:
+            bench.popen("ps", 0, ["sleep", "600"])
+            print("up", flush=True)
+            {body}
+        print("torn down", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=ENV, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout.readline().strip() == "up", proc.stdout.read()
+    return proc
+
+
+def test_sigterm_tears_down_and_down_cleans_a_crashed_run():
+    proc = _bench_process("tterm", "signal.pause()")
+    assert len(netbench.leftovers("tterm")) == 3
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert netbench.leftovers("tterm") == []
+
+    crashed = _bench_process("tcrash", "signal.pause()")
+    crashed.kill()  # SIGKILL: no teardown; the namespaces and the `sleep` inside remain
+    crashed.wait()
+    left = netbench.leftovers("tcrash")
+    assert len(left) == 3
+    sleeper = [int(p) for p in subprocess.run(["ip", "netns", "pids", "kps-tcrash-ps-0"],
+                                              capture_output=True, text=True).stdout.split()]
+    assert sleeper
+    with pytest.raises(RuntimeError, match="already up"):
+        netbench.Bench({"worker": 1}, name="tcrash").up()
+    with pytest.raises(RuntimeError, match="already up"):  # leaves the other bench alone
+        with netbench.Bench({"worker": 1}, name="tcrash"):
+            pass
+    assert netbench.leftovers("tcrash") == left
+    up = subprocess.run([sys.executable, "-m", "benchmarks.netbench", "up", "--name", "tcrash"],
+                        env=ENV, cwd=ROOT, capture_output=True, text=True)
+    assert up.returncode != 0 and "already up" in up.stderr
+    assert netbench.leftovers("tcrash") == left
+    out = subprocess.run([sys.executable, "-m", "benchmarks.netbench", "down", "--name",
+                          "tcrash"], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    assert "deleted 3 namespaces" in out
+    assert netbench.leftovers("tcrash") == []
+    assert not any(_running(pid) for pid in sleeper)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` exists and is no zombie (an orphan waits for pid 1 to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def bench():
+    # ps links at 100 Mbit/s, the workers' faster: a worker -> ps transfer is limited by
+    # the ps' download (the bridge side's tbf), ps -> worker by its upload (its eth0's).
+    with netbench.Bench({"worker": 2, "ps": 1}, rate="400mbit", rates={"ps": "100mbit"},
+                        name="trate") as b:
+        yield b
+
+
+def _transfer(bench, src, dst, nbytes, port=5001, during=None):
+    """`nbytes` over TCP from task `src` to task `dst`; `during(receiver)` runs once data
+    flows. Returns the receiver's record and the sender's."""
+    receiver = bench.popen(*dst, [sys.executable, "-m", "benchmarks.netbench.transfer", "recv",
+                                  "--port", str(port), "--bytes", str(nbytes)],
+                           stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    assert receiver.stdout.readline().strip() == "listening"
+    sender = bench.popen(*src, [sys.executable, "-m", "benchmarks.netbench.transfer", "send",
+                                "--host", bench.address(*dst), "--port", str(port),
+                                "--bytes", str(nbytes)],
+                         stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    assert receiver.stdout.readline().strip() == "first-byte"
+    extra = during(receiver) if during else None
+    out, _ = receiver.communicate(timeout=120)
+    sent, _ = sender.communicate(timeout=120)
+    assert receiver.returncode == 0 and sender.returncode == 0
+    return json.loads(out), json.loads(sent), extra
+
+
+@pytest.mark.parametrize("src,dst", [(("worker", 0), ("ps", 0)), (("ps", 0), ("worker", 0))],
+                         ids=["ps-download", "ps-upload"])
+def test_rate_limit_holds_within_10_percent(bench, src, dst):
+    nbytes = 25_000_000  # 2 s at 100 Mbit/s
+    before = bench.counters(*dst)
+    got, _, _ = _transfer(bench, src, dst, nbytes)
+    wire = bench.counters(*dst)["rx_bytes"] - before["rx_bytes"]
+    assert got["bytes"] == nbytes
+    goodput = got["bytes"] * 8 / got["seconds"]
+    # The payload is ~95.6% of the bytes tbf counts (Ethernet, IP and TCP headers).
+    assert 0.9 * 100e6 <= goodput <= 1.1 * 100e6, goodput / 1e6
+    assert 0.9 * 100e6 <= wire * 8 / got["seconds"] <= 1.1 * 100e6, wire * 8 / got["seconds"]
+    # The faster link between two workers is not held to the ps' rate.
+    got, _, _ = _transfer(bench, ("worker", 0), ("worker", 1), nbytes, port=5002)
+    assert got["bytes"] * 8 / got["seconds"] > 1.5 * 100e6
+
+
+def test_link_cut_and_restored(bench):
+    nbytes = 12_500_000  # 1 s at 100 Mbit/s
+    cut = 5.0
+
+    def cut_the_ps(receiver):
+        bench.set_link("ps", 0, False)
+        start, before = time.perf_counter(), bench.counters("ps", 0)
+        time.sleep(cut)  # the cut's length is what is tested, not a synchronisation
+        after = bench.counters("ps", 0)
+        bench.set_link("ps", 0, True)
+        return time.perf_counter() - start, before, after
+
+    got, sent, (down_s, before, after) = _transfer(bench, ("worker", 0), ("ps", 0), nbytes,
+                                                   port=5003, during=cut_the_ps)
+    assert down_s >= cut
+    assert after["rx_bytes"] == before["rx_bytes"]  # nothing crossed while it was down
+    assert got["bytes"] == nbytes  # the connection survived the cut: TCP retransmits
+    assert got["seconds"] >= cut
+
+
+def _cut_mid_fit(tmp_path, kind, index, seconds=5.0):
+    """`kind` `index`'s link down for `seconds` mid-`fit` (its process lives on, unreachable) in
+    a cluster of 2 workers and 1 ps: the chief's output with the time of each line, its
+    exit status, and when the cut began and ended."""
+    from benchmarks.netbench import cluster
+    from tests.launched import RunningJob
+    from tests.test_faults import TRAINING_CHIEF
+
+    script = tmp_path / "chief.py"
+    script.write_text(textwrap.dedent(TRAINING_CHIEF.split('    say("evaluate started")')[0]))
+    with netbench.Bench({"chief": 1, "worker": 2, "ps": 1}, rate="1gbit",
+                        name="tcut") as bench:
+        cluster.start_servers(bench)
+        chief = RunningJob(bench.command("chief", 0, [sys.executable, str(script)]),
+                           cwd=tmp_path,
+                           env=cluster.environment({"TF_CONFIG": bench.tf_config("chief", 0)}))
+        try:
+            chief.wait_for(r"^train batch 80$")
+            cut = time.time()
+            bench.cut(kind, index, seconds=seconds)
+            restored = time.time()
+            chief.wait_for(r"^reexecuted (\d+)")
+            status = chief.finish()
+        finally:
+            chief.close()
+    assert netbench.leftovers("tcut") == []
+    return chief, status, cut, restored
+
+
+@pytest.fixture(scope="module")
+def worker_cut_mid_fit(tmp_path_factory):
+    return _cut_mid_fit(tmp_path_factory.mktemp("worker_cut"), "worker", 1)
+
+
+@pytest.fixture(scope="module")
+def worker_cut_30s_mid_fit(tmp_path_factory):
+    return _cut_mid_fit(tmp_path_factory.mktemp("worker_cut_30s"), "worker", 1, 30.0)
+
+
+@pytest.fixture(scope="module")
+def ps_cut_mid_fit(tmp_path_factory):
+    return _cut_mid_fit(tmp_path_factory.mktemp("ps_cut"), "ps", 0)
+
+
+def test_ps_link_cut_mid_fit_finishes_with_every_step_and_no_restore(ps_cut_mid_fit):
+    """Better than a kill (which, without a launcher to restart the ps, ends `fit` with an
+    error): the ps kept its state, so `fit` waits for the link and goes on, each step
+    applied once."""
+    chief, status, _, _ = ps_cut_mid_fit
+    assert status == 0, chief.output()
+    assert int(chief.wait_for(r"^iterations (\d+)").group(1)) == 300
+    assert int(chief.wait_for(r"^reexecuted (\d+)").group(1)) == 0
+    assert not any("restor" in line.lower() for line in chief.lines), chief.output()
+
+
+@pytest.mark.parametrize("cut", ["worker_cut_mid_fit", "worker_cut_30s_mid_fit"],
+                         ids=["5s", "30s"])
+def test_worker_link_cut_mid_fit_finishes_with_every_step(cut, request):
+    """`fit` ends with every requested step applied, steps run again counted in
+    `reexecuted_steps`, as after a worker kill. (After 30 s, measured once: TensorFlow
+    saw the worker's connection reset 25 s after the link was back, and `fit` went on.)"""
+    chief, status, _, _ = request.getfixturevalue(cut)
+    assert status == 0, chief.output()
+    iterations = int(chief.wait_for(r"^iterations (\d+)").group(1))
+    reexecuted = int(chief.wait_for(r"^reexecuted (\d+)").group(1))
+    assert iterations == 300 + reexecuted
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a worker cut off (not killed) holds the end of the epoch until its link is back: its "
+    "in-flight step's result fetch (`_tf._set_values`, a closure thread of TensorFlow's "
+    "coordinator) hangs on the surviving TCP connection, and `fit`'s end-of-epoch "
+    "`coordinator.join()` (`Window.drain`) waits for it; "
+    "after a kill the step fails at once and runs again on the other worker. kerasps' "
+    "watcher logs the worker as left after ~1.5 s but does not fail its step"))
+def test_worker_link_cut_mid_fit_does_not_hold_the_epoch(worker_cut_mid_fit):
+    """The cut comes at step 80 of a 300-step `fit` of 50-step epochs; worker 0 can run
+    steps 81-100 alone, so the epoch can end (step 100 delivered) before the link is back."""
+    chief, _, _, restored = worker_cut_mid_fit
+    ended = [t for line, t in zip(chief.lines, chief.times, strict=True)
+             if line == "train batch 100"]
+    assert ended and ended[0] < restored, chief.output()
