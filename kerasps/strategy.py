@@ -23,14 +23,14 @@ import weakref
 
 import tensorflow as tf
 
-from kerasps import _keras, _tf
-from kerasps import consistency as consistency_lib
-from kerasps import input as input_lib
-from kerasps import launch as launch_lib
-from kerasps import membership as membership_lib
-from kerasps import placement as placement_lib
-from kerasps import sparse as sparse_lib
-from kerasps import variables as variables_lib
+from kerasps.backend import _keras, _tf
+from kerasps.ops import launch as launch_lib
+from kerasps.params import sparse as sparse_lib
+from kerasps.params import variables as variables_lib
+from kerasps.policy import consistency as consistency_lib
+from kerasps.policy import membership as membership_lib
+from kerasps.policy import placement as placement_lib
+from kerasps.runtime import input as input_lib
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -348,7 +348,7 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
 
     def coordinator(self):
         """Returns the strategy's `kerasps.ClusterCoordinator` (created once)."""
-        from kerasps.coordinator import ClusterCoordinator
+        from kerasps.runtime.coordinator import ClusterCoordinator
 
         return ClusterCoordinator(self)
 
