@@ -40,7 +40,7 @@ _LAZY = {
     "StepTraceRecorder": "kerasps.keras.callbacks",
     "ShardedVariable": "kerasps.params.variables",
     "PsTaskFailedError": "kerasps.policy.failures",
-    "TaskFailedError": "kerasps.ops.launch",
+    "TaskFailedError": "kerasps.runtime.launch_env",
     "SidecarEvaluator": "kerasps.keras.evaluator",
     "cluster": None,
     "partitioners": None,
@@ -62,6 +62,12 @@ __all__ = sorted(_LAZY) + ["__version__"]
 
 
 def __getattr__(name):
+    if name not in _LAZY and f"kerasps.{name}" in _MOVED:
+        # A flat module name (`kerasps.variables`): an attribute of the package once any
+        # code has imported the module, as when the module lived at that name.
+        if _MOVED[f"kerasps.{name}"] in sys.modules:
+            value = globals()[name] = importlib.import_module(f"kerasps.{name}")
+            return value
     if name not in _LAZY:
         raise AttributeError(f"module 'kerasps' has no attribute {name!r}")
     module_name = _LAZY[name]

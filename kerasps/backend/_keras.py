@@ -276,14 +276,22 @@ def _build_optimizer_for_tables(model):
         optimizer.build(model.trainable_variables)
 
 
-def install():
-    """Installs the hooks (idempotent). Called when `kerasps.strategy` is imported."""
+def install(*, trainer, variables, sparse):
+    """Installs the hooks (idempotent), handing them to kerasps's handlers.
+
+    Called by `kerasps.keras.hooks.install` (a strategy, a `DynamicEmbedding`): this
+    module, below them all, imports none of the handlers.
+
+    Args:
+        trainer: the module of the trainer's `fit`, `evaluate` ... (`kerasps.trainer`).
+        variables: the module of the variables' creator (`kerasps.variables`).
+        sparse: the module of the row-update rule (`kerasps.sparse`).
+    """
     global _installed
     if _installed:
         return
     _installed = True
-    from kerasps.keras import trainer as kerasps_trainer
-    from kerasps.params import variables as kerasps_variables
+    kerasps_trainer, kerasps_variables, kerasps_sparse = trainer, variables, sparse
 
     # Variable creation -------------------------------------------------------
     original_new = KerasTFVariable.__new__
@@ -591,7 +599,6 @@ def install():
     # A shard of a `ShardedVariable` whose gradient is a row update is updated
     # on the rows of the batch (`kerasps.sparse`) where the strategy's
     # `sparse_updates` mode allows it; everything else gets Keras' update.
-    from kerasps.params import sparse as kerasps_sparse
 
     original_update_step = tf_optimizer.TFOptimizer._distributed_tf_update_step
     original_weight_decay = tf_optimizer.TFOptimizer._apply_weight_decay

@@ -60,8 +60,8 @@ import time
 import warnings
 import zipfile
 
-from kerasps.ops.launch import TRAINING_FINISHED_ENV
 from kerasps.policy._validation import positive_int
+from kerasps.runtime.launch_env import TRAINING_FINISHED_ENV
 
 __all__ = ["SidecarEvaluator", "Evaluation", "mark_training_finished", "training_finished",
            "FINISHED_MARKER"]

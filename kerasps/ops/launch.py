@@ -53,13 +53,16 @@ launcher stopped is not restarted; one that fails still is, within its
 budget. The chief's strategy gets MIN as its `min_workers`
 (`$KERASPS_MIN_WORKERS`): below it, `fit` holds training.
 
+This module is the supervisor (`Launcher`); the launch spec is `kerasps.ops.launch_spec`
+and what the tasks share with the launcher `kerasps.runtime.launch_env`, both
+re-exported here.
+
 Pure Python: importing this module does not import TensorFlow.
 """
 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import json
 import os
 import selectors
@@ -72,28 +75,42 @@ import threading
 import time
 
 from kerasps.ops import console as console_lib
+from kerasps.ops.launch_spec import (
+    _CONNECTED_FILE,
+    _FINISHED_FILE,
+    _REPORT_FILE,
+    _STANDBY,
+    _WANTED_FILE,
+    LaunchSpec,
+    Task,
+    _command,
+    _environment,
+    check_program,
+    make_cluster,
+    runs_program,
+    tf_config,
+)
 from kerasps.policy import restarts as restarts_lib
-from kerasps.policy._validation import positive_int
+from kerasps.runtime.launch_env import (
+    CONNECTED_ENV,  # noqa: F401 - kerasps.launch.CONNECTED_ENV, as before the split
+    MIN_WORKERS_ENV,
+    REPORT_ENV,
+    TASK_ENV,
+    TRAINING_FINISHED_ENV,
+    WORKERS_WANTED_ENV,
+    TaskFailedError,
+    _write_atomically,
+    install_chief_handler,
+    name_process,
+    report_connected,
+    request_workers,
+)
 
 __all__ = ["LaunchSpec", "Task", "Launcher", "TaskFailedError", "make_cluster", "tf_config",
            "install_chief_handler", "runs_program", "request_workers", "report_connected",
            "check_program", "name_process", "REPORT_ENV", "TASK_ENV", "TRAINING_FINISHED_ENV",
            "MIN_WORKERS_ENV", "WORKERS_WANTED_ENV"]
 
-# Where the launcher writes why it is ending the job, for the chief to read.
-REPORT_ENV = "KERASPS_LAUNCH_REPORT"
-# A file the launcher creates when the chief has exited with status 0, for the evaluator.
-TRAINING_FINISHED_ENV = "KERASPS_TRAINING_FINISHED"
-# The elastic pool: the chief's `min_workers`; a file holding the wanted worker count; a
-# file the chief's strategy creates once it has connected to every declared worker.
-MIN_WORKERS_ENV = "KERASPS_MIN_WORKERS"
-WORKERS_WANTED_ENV = "KERASPS_WORKERS_WANTED"
-CONNECTED_ENV = "KERASPS_CONNECTED"
-# The task a process of the job runs (`"worker 1"`), for its process title.
-TASK_ENV = "KERASPS_TASK"
-_REPORT_FILE, _FINISHED_FILE = "report.txt", "training_finished"  # in the launcher's scratch dir
-_WANTED_FILE, _CONNECTED_FILE = "workers_wanted", "connected"
-_STANDBY = "standby"  # the label of a standby interpreter's output until it gets a task
 # Seconds a process gets to exit after SIGTERM before it is killed.
 GRACE_PERIOD = 10.0
 # After Ctrl-C (or SIGTERM) to the launcher: seconds the chief (and the evaluator) get to
@@ -103,141 +120,6 @@ GRACE_PERIOD = 10.0
 INTERRUPT_GRACE = 1.5
 STOP_GRACE = 0.5
 POLL_INTERVAL = 0.05
-
-
-class TaskFailedError(RuntimeError):
-    """A task of the job failed for good (its restart budget is spent)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    """One task of the job: `type` is `"chief"`, `"worker"`, `"ps"` or `"evaluator"`."""
-
-    type: str
-    index: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.type} {self.index}"
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchSpec:
-    """What `kerasps launch` runs.
-
-    Attributes:
-        program: the chief's script and its arguments (`("train.py", "--epochs", "5")`).
-        workers: worker tasks.
-        ps: ps tasks.
-        max_restarts: restarts allowed per task (chief, worker, ps or evaluator).
-        gpus_per_worker: GPUs given to each worker through
-            `CUDA_VISIBLE_DEVICES` (worker `i` gets GPUs `i*G .. i*G+G-1`; the
-            chief and ps tasks get none); `None` leaves the variable alone.
-        host: the address the tasks listen on.
-        evaluator: also run the program as task `evaluator 0`, beside the cluster.
-        min_workers: makes the worker pool elastic, between `min_workers` and
-            `workers` (see the module docstring); `None`: a fixed pool.
-    """
-
-    program: tuple
-    workers: int = 2
-    ps: int = 1
-    max_restarts: int = 3
-    gpus_per_worker: int | None = None
-    host: str = "localhost"
-    evaluator: bool = False
-    min_workers: int | None = None
-
-    def __post_init__(self):
-        positive_int("workers", self.workers)
-        positive_int("min_workers", self.min_workers, allow_none=True)
-        if self.min_workers is not None and self.min_workers > self.workers:
-            raise ValueError(
-                f"Invalid value for argument `min_workers`: MIN ({self.min_workers}) is greater "
-                f"than MAX (workers={self.workers}). Received: min_workers={self.min_workers}")
-        positive_int("ps", self.ps)
-        positive_int("max_restarts", self.max_restarts, minimum=0)
-        positive_int("gpus_per_worker", self.gpus_per_worker, allow_none=True)
-        if not self.program or not isinstance(self.program[0], str) or not self.program[0]:
-            raise ValueError("Invalid value for argument `program`: expected the chief's "
-                             f"script and its arguments. Received: program={self.program!r}")
-        object.__setattr__(self, "program", tuple(self.program))
-        if not isinstance(self.evaluator, bool):
-            raise ValueError("Invalid value for argument `evaluator`: expected True or False. "
-                             f"Received: evaluator={self.evaluator!r}")
-
-    @property
-    def tasks(self) -> list[Task]:
-        return ([Task("ps", i) for i in range(self.ps)]
-                + [Task("worker", i) for i in range(self.workers)] + [Task("chief", 0)]
-                + [Task("evaluator", 0)] * self.evaluator)
-
-
-def make_cluster(spec: LaunchSpec, pick_port=None) -> dict:
-    """`{"chief": [...], "worker": [...], "ps": [...]}` with a free port per task (the
-    evaluator serves nothing and has no address)."""
-    if pick_port is None:
-        import portpicker
-
-        pick_port = portpicker.pick_unused_port
-    counts = {"chief": 1, "worker": spec.workers, "ps": spec.ps}
-    return {kind: [f"{spec.host}:{pick_port()}" for _ in range(n)] for kind, n in counts.items()}
-
-
-def tf_config(cluster: dict, task: Task) -> str:
-    return json.dumps({"cluster": cluster, "task": {"type": task.type, "index": task.index}})
-
-
-def runs_program(task_type: str) -> bool:
-    """Whether a task of `task_type` runs the program (the others run `kerasps serve`)."""
-    return task_type in (restarts_lib.PROGRAM_TYPE, restarts_lib.SIDECAR_TYPE)
-
-
-def check_program(program) -> None:
-    """Raises a `ValueError` naming the script unless `program[0]` is one Python can run
-    (a readable file, or a directory holding `__main__.py`): checked before any task
-    starts."""
-    script = program[0]
-    problem = None
-    if not os.path.exists(script):
-        problem = "no such file"
-    elif os.path.isdir(script) and not os.path.isfile(os.path.join(script, "__main__.py")):
-        problem = "a directory without __main__.py"
-    elif not os.access(script, os.R_OK):
-        problem = "not readable"
-    if problem:
-        raise ValueError(f"Invalid value for argument `program`: the chief's script "
-                         f"{script!r} cannot be run ({problem}). Received: program={script!r}")
-
-
-def _command(spec: LaunchSpec, task: Task) -> list[str]:
-    if runs_program(task.type):
-        return [sys.executable, *spec.program]
-    return [sys.executable, "-m", "kerasps.cli", "serve"]
-
-
-def _environment(spec: LaunchSpec, cluster: dict, task: Task, base: dict, scratch: str) -> dict:
-    env = dict(base)
-    env["TF_CONFIG"] = tf_config(cluster, task)
-    env["PYTHONUNBUFFERED"] = "1"  # output (a progress bar's redraws) arrives as written
-    env[TASK_ENV] = task.name
-    if spec.min_workers is not None:
-        env[WORKERS_WANTED_ENV] = os.path.join(scratch, _WANTED_FILE)
-    if task.type == "chief":
-        env[REPORT_ENV] = os.path.join(scratch, _REPORT_FILE)
-        if spec.min_workers is not None:
-            env[MIN_WORKERS_ENV] = str(spec.min_workers)
-            env[CONNECTED_ENV] = os.path.join(scratch, _CONNECTED_FILE)
-    elif task.type == "evaluator":
-        env[TRAINING_FINISHED_ENV] = os.path.join(scratch, _FINISHED_FILE)
-    if spec.gpus_per_worker is not None:
-        if task.type == "worker":
-            first = task.index * spec.gpus_per_worker
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(
-                str(g) for g in range(first, first + spec.gpus_per_worker))
-        else:
-            env["CUDA_VISIBLE_DEVICES"] = ""
-    return env
 
 
 _PR_SET_PDEATHSIG = 1
@@ -609,71 +491,3 @@ def _signal_group(popen: subprocess.Popen, signum):
         os.killpg(popen.pid, signum)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _write_atomically(path: str, text: str):
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w") as f:
-        f.write(text)
-    os.replace(temporary, path)
-
-
-# -- in the tasks ---------------------------------------------------------------------------
-def request_workers(count: int):
-    """Asks `kerasps launch --workers MIN:MAX` to run `count` workers (clamped to
-    [MIN, MAX]): stopped workers join, or the highest-numbered leave.
-
-    Raises:
-        RuntimeError: outside an elastic `kerasps launch` job.
-    """
-    positive_int("count", count)
-    path = os.environ.get(WORKERS_WANTED_ENV)
-    if not path:
-        raise RuntimeError(
-            "kerasps.launch.request_workers() resizes the worker pool of a job started by "
-            f"`kerasps launch --workers MIN:MAX`; ${WORKERS_WANTED_ENV} is not set here.")
-    _write_atomically(path, str(count))
-
-
-def report_connected():
-    """Tells an elastic launcher that the chief has connected to every declared worker
-    (the strategy calls it); a no-op elsewhere."""
-    path = os.environ.get(CONNECTED_ENV)
-    if path:
-        _write_atomically(path, "connected\n")
-
-
-# -- in the tasks: process titles -------------------------------------------------------------
-def name_process(task: str | None = None, detail: str = ""):
-    """Sets this process's title, as `ps` and `top` show it, to `kerasps: <task>` (and
-    `detail`); `task` defaults to `$KERASPS_TASK`, set by `kerasps launch`. A no-op
-    without a task, or without the `setproctitle` package."""
-    task = task or os.environ.get(TASK_ENV)
-    if not task:
-        return
-    try:
-        import setproctitle
-    except ImportError:  # pragma: no cover - a dependency of kerasps
-        return
-    setproctitle.setproctitle(f"kerasps: {task}" + (f" {detail}" if detail else ""))
-
-
-# -- in the chief --------------------------------------------------------------------------
-def install_chief_handler():
-    """Under `kerasps launch`, makes the launcher's SIGTERM raise `TaskFailedError` with
-    its reason in the chief's main thread (a no-op elsewhere)."""
-    report = os.environ.get(REPORT_ENV)
-    if not report or threading.current_thread() is not threading.main_thread():
-        return
-
-    def on_sigterm(signum, frame):
-        try:
-            with open(report) as f:
-                reason = f.read().strip()
-        except OSError:
-            reason = ""
-        if not reason:
-            raise SystemExit(128 + signum)  # the job is being stopped (Ctrl-C)
-        raise TaskFailedError(f"The job failed: {reason}.")
-
-    signal.signal(signal.SIGTERM, on_sigterm)

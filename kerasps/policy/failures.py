@@ -35,6 +35,9 @@ class PsTaskFailedError(RuntimeError):
         ps_task: the index of the ps task.
     """
 
+    # Named in tracebacks as programs import it (`kerasps.failures.PsTaskFailedError`).
+    __module__ = "kerasps.failures"
+
     def __init__(self, ps_task: int, method: str, reason: str | None = None):
         self.ps_task = ps_task
         reason = reason or _HOW_TO_RECOVER.get(method, _HOW_TO_RECOVER["fit"])

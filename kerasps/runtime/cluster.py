@@ -31,6 +31,7 @@ import sys
 import threading
 
 from kerasps.policy._validation import positive_int
+from kerasps.runtime import launch_env
 
 __all__ = [
     "in_process",
@@ -355,11 +356,9 @@ def from_tf_config(tf_config: str | None = None):
     parsed = _read_tf_config(tf_config)
     import tensorflow as tf
 
-    from kerasps.ops import launch
-
     _enable_fail_fast()
-    launch.install_chief_handler()
-    launch.name_process(detail=" ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]))
+    launch_env.install_chief_handler()
+    launch_env.name_process(detail=" ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]))
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(parsed["training_cluster"]),
         task_type=parsed["task_type"],
@@ -412,9 +411,7 @@ def serve(tf_config: str | None = None):
         )
     import tensorflow as tf
 
-    from kerasps.ops import launch
-
-    launch.name_process(f"{task_type} {parsed['task_index']}")
+    launch_env.name_process(f"{task_type} {parsed['task_index']}")
     _enable_fail_fast()
     server = start_server(tf.train.ClusterSpec(parsed["training_cluster"]), task_type,
                           parsed["task_index"])

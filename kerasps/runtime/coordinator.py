@@ -81,7 +81,7 @@ class ClusterCoordinator:
         self._sequence = 0
         self._phase = ("train", 1)
         self._labels = {}  # id(remote value) -> (remote value, fields of its StepEvent)
-        self._sync_steps = {}  # (fn, optimizer) -> kerasps.trainer.sync.SyncSteps
+        self._sync_steps = {}  # (fn, optimizer) -> the strategy's `_sync_steps`
         # Per-worker pipelines of `DatasetCreator`s, built once (see kerasps.trainer).
         self._dataset_cache = weakref.WeakKeyDictionary()
         strategy._kerasps_coordinator = self
@@ -141,8 +141,6 @@ class ClusterCoordinator:
         Returns:
             The results of `fn` on the workers whose gradients the step kept.
         """
-        from kerasps.keras.trainer.sync import SyncSteps
-
         if not self._strategy.consistency.sync:
             raise ValueError(
                 "Invalid use of `sync_step`: the strategy trains asynchronously; create it "
@@ -151,7 +149,8 @@ class ClusterCoordinator:
         steps = self._sync_steps.get((fn, optimizer))
         if steps is None:
             step = getattr(fn, "python_function", fn)  # traced again, gradients redirected
-            steps = self._sync_steps[(fn, optimizer)] = SyncSteps(self, optimizer, step)
+            steps = self._strategy._sync_steps(self, optimizer, step)
+            self._sync_steps[(fn, optimizer)] = steps
         results, _ = steps.run(tuple(args or ()), steps.version, with_logs=True)
         steps.version += 1
         return results

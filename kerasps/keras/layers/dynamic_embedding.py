@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasps.backend import _keras
+from kerasps.keras import hooks
 from kerasps.keras.layers import table as table_lib
 from kerasps.policy import tables
 
@@ -134,7 +134,7 @@ class DynamicEmbedding(keras.layers.Layer):
         self._convert_input_args = False
         self._allow_non_tensor_positional_args = True
         self._table = None
-        _keras.install()
+        hooks.install()
 
     @property
     def output_dim(self):

@@ -60,17 +60,15 @@ def without_counts(logs):
     return {k: v for k, v in logs.items() if k not in (STALENESS, DROPPED)}
 
 
-def counter(model):
+def counter(model, cache):
     """The model's `[sum of staleness, applied gradients]` counter on the ps task of
     `optimizer.iterations`.
 
     Kept with the traced step functions, so that it is made again, with them,
     after `compile` and after a lost ps task is restored (its resource went
-    with the task).
+    with the task): `cache` is the model's `steps.step_functions(model)`, handed
+    in because `steps` imports this module.
     """
-    from kerasps.keras.trainer.steps import step_functions  # steps imports this module
-
-    cache = step_functions(model)
     if "staleness" not in cache:
         iterations = _keras.tf_variable(model.optimizer.iterations)
         with tf.init_scope():  # state on the ps task, also when first asked while tracing
@@ -78,12 +76,12 @@ def counter(model):
     return cache["staleness"]
 
 
-def reset(model):
-    counter(model).assign(tf.zeros([2], tf.float64))
+def reset(model, cache):
+    counter(model, cache).assign(tf.zeros([2], tf.float64))
 
 
-def mean(model) -> float:
-    total, count = counter(model).numpy()
+def mean(model, cache) -> float:
+    total, count = counter(model, cache).numpy()
     return float(total / count) if count else 0.0
 
 
@@ -102,14 +100,14 @@ def apply_replaced(optimizer, apply):
         object.__delattr__(optimizer, "apply")
 
 
-def measured(model, train_step):
+def measured(model, train_step, cache):
     """`train_step` that adds its gradient's staleness to the model's counter.
 
     Used while the step function is traced: it reads `optimizer.iterations`
     first and again just before `optimizer.apply` updates the variables.
     """
     optimizer = model.optimizer
-    staleness = counter(model)
+    staleness = counter(model, cache)
     iterations = _keras.tf_variable(optimizer.iterations)
     original_apply = optimizer.apply
 

@@ -57,7 +57,7 @@ def make_train_function(model, with_logs=True):
         # ps task, which costs more than the steps of a small model.
         def run(count, outputs=None):
             for _ in range(count):
-                outputs = strategy.run(staleness.measured(model, model.train_step),
+                outputs = strategy.run(staleness.measured(model, model.train_step, cache),
                                        args=(next(iterator),))
                 outputs = _keras.reduce_per_replica(outputs, strategy, reduction="auto")
             return outputs
@@ -97,13 +97,13 @@ def make_train_to_end_function(model, with_logs=True):
     if name in cache:
         return cache[name]
     strategy = model.distribute_strategy
-    counter = staleness.counter(model)
+    counter = staleness.counter(model, cache)
 
     @tf.autograph.experimental.do_not_convert
     def train_function(iterator, steps: int):
         # Each step runs inside a `tf.cond`, a function call on every ps task: `fit`
         # uses this only for the last batches of an epoch and `steps_per_execution > 1`.
-        step = staleness.measured(model, model.train_step)
+        step = staleness.measured(model, model.train_step, cache)
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
 
         def body(i, done, more):

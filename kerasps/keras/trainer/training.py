@@ -20,7 +20,11 @@ from kerasps.keras.trainer.inputs import (
     per_worker_dataset,
     total_batches,
 )
-from kerasps.keras.trainer.steps import make_train_function, make_train_to_end_function
+from kerasps.keras.trainer.steps import (
+    make_train_function,
+    make_train_to_end_function,
+    step_functions,
+)
 from kerasps.keras.trainer.sync import SyncSteps
 from kerasps.policy._validation import positive_int
 from kerasps.policy.consistency import StalenessBound
@@ -238,7 +242,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             backup.save()  # there is always a backup to go back to
         for epoch in range(initial_epoch, epochs):
             model.reset_metrics()
-            staleness.reset(model)
+            staleness.reset(model, step_functions(model))
             dropped = 0  # gradients of this epoch a sync step did not use
             callbacks.on_epoch_begin(epoch)
             if tracing:
@@ -311,7 +315,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                         synchronous.drain()
                     epoch_logs = dict(_keras.metrics_result_or_logs(
                         model, staleness.without_counts(logs)))
-                    epoch_logs[staleness.STALENESS] = staleness.mean(model)
+                    epoch_logs[staleness.STALENESS] = staleness.mean(model, step_functions(model))
                     epoch_logs[staleness.DROPPED] = dropped
                     break
                 except tf.errors.OutOfRangeError:
