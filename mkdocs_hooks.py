@@ -71,6 +71,11 @@ def _lazy(package):
 
 
 def _resolves(name):
+    import kerasps  # its __init__ imports no TensorFlow
+
+    # `kerasps.cluster` and the other flat module names are aliases of the modules in
+    # the layer folders (`kerasps.runtime.cluster`): look up the module itself.
+    name = kerasps._moved_to(name) or name
     parts = name.split(".")
     # The longest prefix that is a module; the rest are members of it.
     for cut in range(len(parts), 0, -1):

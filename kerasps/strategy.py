@@ -23,14 +23,16 @@ import weakref
 
 import tensorflow as tf
 
-from kerasps import _keras, _tf
-from kerasps import consistency as consistency_lib
-from kerasps import input as input_lib
-from kerasps import launch as launch_lib
-from kerasps import membership as membership_lib
-from kerasps import placement as placement_lib
-from kerasps import sparse as sparse_lib
-from kerasps import variables as variables_lib
+from kerasps.backend import _keras, _tf
+from kerasps.keras import hooks
+from kerasps.keras.trainer.sync import SyncSteps
+from kerasps.params import sparse as sparse_lib
+from kerasps.params import variables as variables_lib
+from kerasps.policy import consistency as consistency_lib
+from kerasps.policy import membership as membership_lib
+from kerasps.policy import placement as placement_lib
+from kerasps.runtime import input as input_lib
+from kerasps.runtime import launch_env
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -242,12 +244,12 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
                              f"number of seconds. Received: step_timeout={step_timeout!r}")
         self._step_timeout = float(step_timeout)
         if min_workers is None:
-            min_workers = int(os.environ.get(launch_lib.MIN_WORKERS_ENV, "1"))
+            min_workers = int(os.environ.get(launch_env.MIN_WORKERS_ENV, "1"))
         self._pool = membership_lib.PoolSpec(num_workers, min_workers, min_workers_timeout)
         variable_partitioner = _validate_partitioner(variable_partitioner)
         num_ps = len(cluster_resolver.cluster_spec().as_dict()["ps"])
         placement_lib.get_placer(placement, num_ps)  # validate before connecting
-        _keras.install()
+        hooks.install()
         first_connection = not _tf.connected()
         super().__init__(cluster_resolver, variable_partitioner=None)
         if first_connection:
@@ -255,7 +257,7 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         self._extended.__class__ = _Extended
         self._extended._init_kerasps(variable_partitioner, placement)
         self._placement = placement
-        launch_lib.report_connected()
+        launch_env.report_connected()
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """TensorFlow's distributed dataset, which kerasps's `fit`, `evaluate`,
@@ -348,9 +350,14 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
 
     def coordinator(self):
         """Returns the strategy's `kerasps.ClusterCoordinator` (created once)."""
-        from kerasps.coordinator import ClusterCoordinator
+        from kerasps.runtime.coordinator import ClusterCoordinator
 
         return ClusterCoordinator(self)
+
+    def _sync_steps(self, coordinator, optimizer, step):
+        """The synchronous global steps of `step` (`ClusterCoordinator.sync_step`): the
+        coordinator, below the trainer, is handed them by the strategy."""
+        return SyncSteps(coordinator, optimizer, step)
 
     def shutdown(self, timeout: float = 60.0):
         """Stops the strategy's coordinator, if it has one, and waits for its threads.

@@ -46,7 +46,7 @@ def test_docs_index_quick_start_matches_the_readme():
 def test_quick_start_names_the_demo_flags_the_cli_has(path):
     flags = set(re.findall(r"`(--[a-z-]+)`", re.search(
         r"(?ms)^## Quick start\n(.*?)(?=^## |\Z)", (ROOT / path).read_text()).group(1)))
-    cli = (ROOT / "kerasps" / "cli.py").read_text()
+    cli = (ROOT / "kerasps" / "ops" / "cli.py").read_text()
     assert flags, "the quick start lists the demo's flags"
     assert not {flag for flag in flags if f'"{flag}"' not in cli}
 

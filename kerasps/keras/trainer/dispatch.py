@@ -1,0 +1,114 @@
+"""Scheduling step functions on the workers and delivering their results in order."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import tensorflow as tf
+
+from kerasps.backend import _keras, _tf
+
+# Scheduled functions kept in flight per worker: one running, one queued.
+STEPS_IN_FLIGHT_PER_WORKER = 2
+
+
+class Window:
+    """Schedules functions with a bounded number unfinished; delivers results in order.
+
+    At most `capacity` scheduled functions are unfinished (running or queued)
+    at a time. Results are delivered in scheduling order, so a function held
+    up on a failed worker (TensorFlow runs it again elsewhere once the failure
+    is seen) holds back the delivery of the results after it, but not the
+    scheduling of new functions on the workers that are alive.
+    """
+
+    # Undelivered results kept behind one unfinished function, per unit of capacity.
+    BACKLOG_PER_SLOT = 64
+
+    def __init__(self, coordinator, bound=None, steps=1):
+        self.coordinator = coordinator
+        self.capacity = STEPS_IN_FLIGHT_PER_WORKER * coordinator.num_workers
+        self.pending = collections.deque()
+        # A `kerasps.consistency.StalenessBound` (its tokens: the remote values of the
+        # functions it counts), and the steps of the next function.
+        self.bound, self.steps = bound, steps
+
+    def schedule(self, function, args, tag, steps=1, worker=None):
+        """Schedules `function(*args)` (on worker `worker` if given, as
+        `ClusterCoordinator.schedule_on` does); `tag` comes back with its result."""
+        remote = (self.coordinator.schedule(function, args=args) if worker is None
+                  else self.coordinator.schedule_on(worker, function, args))
+        self.pending.append((tag, remote))
+        if self.bound is not None:
+            self._unfinished()  # forget the functions that finished
+            self.bound.scheduled(remote, steps)
+
+    def _unfinished(self):
+        if self.bound is not None:
+            for remote in self.bound.running():
+                if _tf.remote_value_ready(remote):
+                    self.bound.finished(remote)
+        return [remote for _, remote in self.pending if not _tf.remote_value_ready(remote)]
+
+    def _admits(self):
+        return self.bound is None or self.bound.admits(self.steps)
+
+    def ready(self):
+        """Yields `(tag, result)` for the results that arrived, oldest first; returns
+        once fewer than `capacity` functions are unfinished."""
+        while self.pending:
+            if _tf.remote_value_ready(self.pending[0][1]):
+                tag, remote = self.pending.popleft()
+                yield tag, remote.fetch()
+                continue
+            unfinished = self._unfinished()
+            if len(unfinished) < self.capacity and self._admits() and (
+                    len(self.pending) < self.BACKLOG_PER_SLOT * self.capacity):
+                return
+            # Full: wait for any unfinished function to finish (the oldest may be
+            # stuck on a failed worker while the others go on).
+            _tf.wait_for_any(unfinished, timeout=1.0)
+
+    def drain(self):
+        """Waits for everything scheduled; yields the remaining results in order."""
+        self.coordinator.join()
+        while self.pending:
+            tag, remote = self.pending.popleft()
+            yield tag, remote.fetch()
+
+    def abandon(self, timeout: float = 600.0):
+        """After an error: wait for every function still running, drop the results.
+
+        `join` raises the first error without waiting; functions still running
+        may fail after it (a lost ps fails every one), and each such error
+        would otherwise come out of the next `schedule`. Joins until one
+        returns cleanly (or `timeout` seconds pass).
+        """
+        self.pending.clear()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                self.coordinator.join()
+                return
+            except (tf.errors.OpError, *_tf.CLOSURE_ERRORS):
+                continue  # another function's error; anything else (a signal) goes up
+
+
+def reads_batch_logs(callbacks) -> bool:
+    """True if a callback may read the logs of `on_train_batch_end`.
+
+    Keras marks the no-op hooks of `keras.callbacks.Callback` with
+    `_is_default`; a callback overriding `on_train_batch_end` or its alias
+    `on_batch_end` (the progress bar does) reads them. A `CallbackList`
+    subclass may do anything, so it counts as reading them.
+    """
+    if type(callbacks) is not _keras.CallbackList:
+        return True
+    return any(not getattr(getattr(callback, hook), "_is_default", False)
+               for callback in callbacks.callbacks
+               for hook in ("on_train_batch_end", "on_batch_end"))
+
+
+def to_logs(values):
+    return _keras.pythonify_logs(values) if isinstance(values, dict) else values

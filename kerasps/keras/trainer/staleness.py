@@ -1,0 +1,134 @@
+"""Staleness of applied gradients, measured on the ps tasks, and the logs that report it.
+
+A gradient's staleness is the number of updates applied between the read of
+`optimizer.iterations` at the start of its step and its own update. Every
+training step adds its staleness and a count of 1 to a two-element counter
+on the ps task of `optimizer.iterations` (one `assign_add` there per step);
+`fit` reports the epoch's mean as `staleness` in the batch and epoch logs,
+beside `dropped_gradients` (gradients a sync step did not use).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import tensorflow as tf
+
+from kerasps.backend import _keras, _tf
+
+STALENESS = "staleness"
+DROPPED = "dropped_gradients"
+
+
+def meaningless(sync: bool, num_workers: int) -> set:
+    """The counts a progress bar leaves out, as they cannot be other than 0: `staleness`
+    in sync mode (each gradient is applied to the weights it was computed on) and with
+    one worker (it runs one step at a time); `dropped_gradients` in async mode (every
+    gradient is applied). The History keeps both."""
+    hidden = set()
+    if sync or num_workers == 1:
+        hidden.add(STALENESS)
+    if not sync:
+        hidden.add(DROPPED)
+    return hidden
+
+
+def hide_from_progress_bar(callbacks, hidden: set):
+    """Makes the Keras progress bar among `callbacks` (a `CallbackList`) leave out the
+    log entries named in `hidden`; the other callbacks still get them."""
+    import keras
+
+    if not hidden:
+        return
+    for callback in getattr(callbacks, "callbacks", ()):
+        if isinstance(callback, keras.callbacks.ProgbarLogger):
+            for name in ("on_train_batch_end", "on_epoch_end"):
+                method = getattr(callback, name)
+
+                def shown(step, logs=None, method=method):
+                    if isinstance(logs, dict):
+                        logs = {k: v for k, v in logs.items() if k not in hidden}
+                    return method(step, logs)
+
+                setattr(callback, name, shown)
+
+
+def without_counts(logs):
+    """`logs` without the two counts (Keras compares their keys to the metrics')."""
+    if not isinstance(logs, dict):
+        return logs
+    return {k: v for k, v in logs.items() if k not in (STALENESS, DROPPED)}
+
+
+def counter(model, cache):
+    """The model's `[sum of staleness, applied gradients]` counter on the ps task of
+    `optimizer.iterations`.
+
+    Kept with the traced step functions, so that it is made again, with them,
+    after `compile` and after a lost ps task is restored (its resource went
+    with the task): `cache` is the model's `steps.step_functions(model)`, handed
+    in because `steps` imports this module.
+    """
+    if "staleness" not in cache:
+        iterations = _keras.tf_variable(model.optimizer.iterations)
+        with tf.init_scope():  # state on the ps task, also when first asked while tracing
+            cache["staleness"] = _tf.variable_on(iterations.device, tf.zeros([2], tf.float64))
+    return cache["staleness"]
+
+
+def reset(model, cache):
+    counter(model, cache).assign(tf.zeros([2], tf.float64))
+
+
+def mean(model, cache) -> float:
+    total, count = counter(model, cache).numpy()
+    return float(total / count) if count else 0.0
+
+
+@contextlib.contextmanager
+def apply_replaced(optimizer, apply):
+    """While a step function is traced, `optimizer.apply` (and so `apply_gradients`,
+    which calls it) is `apply(grads, trainable_variables=None)`.
+
+    An instance attribute, set with `object.__setattr__` so that Keras does not
+    track it, and removed afterwards: the optimizer stays plain Keras.
+    """
+    object.__setattr__(optimizer, "apply", apply)
+    try:
+        yield
+    finally:
+        object.__delattr__(optimizer, "apply")
+
+
+def measured(model, train_step, cache):
+    """`train_step` that adds its gradient's staleness to the model's counter.
+
+    Used while the step function is traced: it reads `optimizer.iterations`
+    first and again just before `optimizer.apply` updates the variables.
+    """
+    optimizer = model.optimizer
+    staleness = counter(model, cache)
+    iterations = _keras.tf_variable(optimizer.iterations)
+    original_apply = optimizer.apply
+
+    def step(data):
+        read_at = iterations.read_value()
+
+        def apply(grads, trainable_variables=None):
+            grads = list(grads)
+            computed = [g.values if isinstance(g, tf.IndexedSlices) else g
+                        for g in grads if g is not None]
+            # Read again once the gradients exist, not as soon as the function starts.
+            with tf.device(staleness.device), tf.control_dependencies(computed):
+                behind = tf.cast(iterations.read_value() - read_at, tf.float64)
+                staleness.assign_add(tf.stack([behind, tf.constant(1.0, tf.float64)]))
+            return original_apply(grads, trainable_variables)
+
+        with apply_replaced(optimizer, apply):
+            outputs = train_step(data)
+        if isinstance(outputs, dict):
+            total, count = tf.unstack(staleness.read_value())
+            outputs = {**outputs, STALENESS: tf.math.divide_no_nan(total, count)}
+        return outputs
+
+    return step

@@ -1,0 +1,156 @@
+"""What `kerasps launch` runs: the launch spec, its tasks, their addresses, commands
+and environments. Pure Python, no processes (those are `kerasps.ops.launch`'s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+from kerasps.policy import restarts as restarts_lib
+from kerasps.policy._validation import positive_int
+from kerasps.runtime.launch_env import (
+    CONNECTED_ENV,
+    MIN_WORKERS_ENV,
+    REPORT_ENV,
+    TASK_ENV,
+    TRAINING_FINISHED_ENV,
+    WORKERS_WANTED_ENV,
+)
+
+_REPORT_FILE, _FINISHED_FILE = "report.txt", "training_finished"  # in the launcher's scratch dir
+_WANTED_FILE, _CONNECTED_FILE = "workers_wanted", "connected"
+_STANDBY = "standby"  # the label of a standby interpreter's output until it gets a task
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One task of the job: `type` is `"chief"`, `"worker"`, `"ps"` or `"evaluator"`."""
+
+    type: str
+    index: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.type} {self.index}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchSpec:
+    """What `kerasps launch` runs.
+
+    Attributes:
+        program: the chief's script and its arguments (`("train.py", "--epochs", "5")`).
+        workers: worker tasks.
+        ps: ps tasks.
+        max_restarts: restarts allowed per task (chief, worker, ps or evaluator).
+        gpus_per_worker: GPUs given to each worker through
+            `CUDA_VISIBLE_DEVICES` (worker `i` gets GPUs `i*G .. i*G+G-1`; the
+            chief and ps tasks get none); `None` leaves the variable alone.
+        host: the address the tasks listen on.
+        evaluator: also run the program as task `evaluator 0`, beside the cluster.
+        min_workers: makes the worker pool elastic, between `min_workers` and
+            `workers` (see the module docstring); `None`: a fixed pool.
+    """
+
+    program: tuple
+    workers: int = 2
+    ps: int = 1
+    max_restarts: int = 3
+    gpus_per_worker: int | None = None
+    host: str = "localhost"
+    evaluator: bool = False
+    min_workers: int | None = None
+
+    def __post_init__(self):
+        positive_int("workers", self.workers)
+        positive_int("min_workers", self.min_workers, allow_none=True)
+        if self.min_workers is not None and self.min_workers > self.workers:
+            raise ValueError(
+                f"Invalid value for argument `min_workers`: MIN ({self.min_workers}) is greater "
+                f"than MAX (workers={self.workers}). Received: min_workers={self.min_workers}")
+        positive_int("ps", self.ps)
+        positive_int("max_restarts", self.max_restarts, minimum=0)
+        positive_int("gpus_per_worker", self.gpus_per_worker, allow_none=True)
+        if not self.program or not isinstance(self.program[0], str) or not self.program[0]:
+            raise ValueError("Invalid value for argument `program`: expected the chief's "
+                             f"script and its arguments. Received: program={self.program!r}")
+        object.__setattr__(self, "program", tuple(self.program))
+        if not isinstance(self.evaluator, bool):
+            raise ValueError("Invalid value for argument `evaluator`: expected True or False. "
+                             f"Received: evaluator={self.evaluator!r}")
+
+    @property
+    def tasks(self) -> list[Task]:
+        return ([Task("ps", i) for i in range(self.ps)]
+                + [Task("worker", i) for i in range(self.workers)] + [Task("chief", 0)]
+                + [Task("evaluator", 0)] * self.evaluator)
+
+
+def make_cluster(spec: LaunchSpec, pick_port=None) -> dict:
+    """`{"chief": [...], "worker": [...], "ps": [...]}` with a free port per task (the
+    evaluator serves nothing and has no address)."""
+    if pick_port is None:
+        import portpicker
+
+        pick_port = portpicker.pick_unused_port
+    counts = {"chief": 1, "worker": spec.workers, "ps": spec.ps}
+    return {kind: [f"{spec.host}:{pick_port()}" for _ in range(n)] for kind, n in counts.items()}
+
+
+def tf_config(cluster: dict, task: Task) -> str:
+    return json.dumps({"cluster": cluster, "task": {"type": task.type, "index": task.index}})
+
+
+def runs_program(task_type: str) -> bool:
+    """Whether a task of `task_type` runs the program (the others run `kerasps serve`)."""
+    return task_type in (restarts_lib.PROGRAM_TYPE, restarts_lib.SIDECAR_TYPE)
+
+
+def check_program(program) -> None:
+    """Raises a `ValueError` naming the script unless `program[0]` is one Python can run
+    (a readable file, or a directory holding `__main__.py`): checked before any task
+    starts."""
+    script = program[0]
+    problem = None
+    if not os.path.exists(script):
+        problem = "no such file"
+    elif os.path.isdir(script) and not os.path.isfile(os.path.join(script, "__main__.py")):
+        problem = "a directory without __main__.py"
+    elif not os.access(script, os.R_OK):
+        problem = "not readable"
+    if problem:
+        raise ValueError(f"Invalid value for argument `program`: the chief's script "
+                         f"{script!r} cannot be run ({problem}). Received: program={script!r}")
+
+
+def _command(spec: LaunchSpec, task: Task) -> list[str]:
+    if runs_program(task.type):
+        return [sys.executable, *spec.program]
+    return [sys.executable, "-m", "kerasps.cli", "serve"]
+
+
+def _environment(spec: LaunchSpec, cluster: dict, task: Task, base: dict, scratch: str) -> dict:
+    env = dict(base)
+    env["TF_CONFIG"] = tf_config(cluster, task)
+    env["PYTHONUNBUFFERED"] = "1"  # output (a progress bar's redraws) arrives as written
+    env[TASK_ENV] = task.name
+    if spec.min_workers is not None:
+        env[WORKERS_WANTED_ENV] = os.path.join(scratch, _WANTED_FILE)
+    if task.type == "chief":
+        env[REPORT_ENV] = os.path.join(scratch, _REPORT_FILE)
+        if spec.min_workers is not None:
+            env[MIN_WORKERS_ENV] = str(spec.min_workers)
+            env[CONNECTED_ENV] = os.path.join(scratch, _CONNECTED_FILE)
+    elif task.type == "evaluator":
+        env[TRAINING_FINISHED_ENV] = os.path.join(scratch, _FINISHED_FILE)
+    if spec.gpus_per_worker is not None:
+        if task.type == "worker":
+            first = task.index * spec.gpus_per_worker
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                str(g) for g in range(first, first + spec.gpus_per_worker))
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+    return env

@@ -1,0 +1,270 @@
+"""`kerasps.ClusterCoordinator`: schedule functions on workers, as in TensorFlow.
+
+A thin layer over TensorFlow's `ClusterCoordinator` (its worker threads,
+retries on worker failure and error propagation are TensorFlow's own) that
+adds what Keras users of kerasps need:
+
+* `create_per_worker_dataset` gives every worker its own
+  `kerasps.InputContext` (distinct `input_pipeline_id`);
+* an optional per-step trace (`start_trace` / `stop_trace`), the input of
+  `python -m simulator calibrate`.
+
+Semantics follow TensorFlow: `schedule` returns a `RemoteValue` at once; a
+function may run on any worker, and again on another if its worker fails;
+the first error raised by a scheduled function is raised by the next `join`,
+`done` or `schedule`, and the functions still queued are cancelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import weakref
+
+import tensorflow as tf
+
+from kerasps.backend import _tf
+from kerasps.policy import trace as trace_lib
+from kerasps.runtime import input as input_lib
+
+__all__ = ["ClusterCoordinator", "RemoteValue"]
+
+RemoteValue = tf.distribute.experimental.coordinator.RemoteValue
+
+
+class ClusterCoordinator:
+    """Dispatches functions to the workers of a `kerasps.ParameterServerStrategy`.
+
+    There is one coordinator per strategy: constructing it twice returns the
+    same object.
+
+    ```python
+    coordinator = kerasps.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+    @tf.function
+    def train_step(iterator):
+        ...
+
+    for _ in range(100):
+        coordinator.schedule(train_step, args=(iterator,))
+    coordinator.join()
+    ```
+
+    Args:
+        strategy: a `kerasps.ParameterServerStrategy`.
+    """
+
+    def __new__(cls, strategy):
+        existing = getattr(strategy, "_kerasps_coordinator", None)
+        if existing is not None:
+            return existing
+        return super().__new__(cls)
+
+    def __init__(self, strategy):
+        if getattr(strategy, "_kerasps_coordinator", None) is self:
+            return
+        if not getattr(strategy, "_is_kerasps", False):
+            raise ValueError(
+                "Invalid value for argument `strategy`: expected a "
+                f"`kerasps.ParameterServerStrategy`. Received: strategy={strategy!r}"
+            )
+        self._strategy = strategy
+        _tf.install_results_on_coordinator()
+        _tf.install_end_of_input_grace()
+        self._tf_coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        _tf.release_at_exit(self._tf_coordinator)
+        self._trace_lock = threading.Lock()
+        self._trace = None
+        self._trace_origin = 0.0
+        self._sequence = 0
+        self._phase = ("train", 1)
+        self._labels = {}  # id(remote value) -> (remote value, fields of its StepEvent)
+        self._sync_steps = {}  # (fn, optimizer) -> the strategy's `_sync_steps`
+        # Per-worker pipelines of `DatasetCreator`s, built once (see kerasps.trainer).
+        self._dataset_cache = weakref.WeakKeyDictionary()
+        strategy._kerasps_coordinator = self
+
+    @property
+    def strategy(self):
+        return self._strategy
+
+    @property
+    def num_workers(self) -> int:
+        return self._strategy.num_workers
+
+    def schedule(self, fn, args=None, kwargs=None) -> RemoteValue:
+        """Queues `fn(*args, **kwargs)` to run on some worker; returns its `RemoteValue`.
+
+        Per-worker values in `args` (such as iterators of
+        `create_per_worker_dataset`) are replaced by the executing worker's own.
+        """
+        return self._tf_coordinator.schedule(fn, args=args, kwargs=kwargs)
+
+    def schedule_on(self, worker: int, fn, args=None) -> RemoteValue:
+        """Like `schedule`, but worker `worker` runs `fn` once it is free (TensorFlow
+        runs it on another worker if that one fails). Sync steps use it: every
+        worker computes one gradient of a global step."""
+        return _tf.schedule_on(self._tf_coordinator, worker, fn, args)
+
+    def sync_step(self, fn, args=None, *, optimizer) -> list:
+        """Runs one synchronous global step of a custom training loop.
+
+        Under a strategy with `mode="sync"`, every worker runs `fn(*args)` once
+        on the same variables; the gradients `fn` hands to
+        `optimizer.apply_gradients` are kept on the ps tasks instead of
+        applied, and the mean of the first `num_workers - backup_workers` is
+        applied as one update (see `kerasps.consistency`). Per-worker values in
+        `args` (iterators of `create_per_worker_dataset`) are each worker's own.
+
+        ```python
+        @tf.function
+        def step(iterator):
+            def replica_fn(batch):
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(batch)
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                return loss
+            return strategy.run(replica_fn, args=(next(iterator),))
+
+        for _ in range(100):
+            losses = coordinator.sync_step(step, args=(iterator,), optimizer=optimizer)
+        ```
+
+        Args:
+            fn: a `tf.function` (or Python function) running one training step.
+            args: its positional arguments.
+            optimizer: the Keras optimizer `fn` applies its gradients with.
+
+        Returns:
+            The results of `fn` on the workers whose gradients the step kept.
+        """
+        if not self._strategy.consistency.sync:
+            raise ValueError(
+                "Invalid use of `sync_step`: the strategy trains asynchronously; create it "
+                "with `mode='sync'`, or use `schedule`. Received: "
+                f"mode={self._strategy.mode!r}")
+        steps = self._sync_steps.get((fn, optimizer))
+        if steps is None:
+            step = getattr(fn, "python_function", fn)  # traced again, gradients redirected
+            steps = self._strategy._sync_steps(self, optimizer, step)
+            self._sync_steps[(fn, optimizer)] = steps
+        results, _ = steps.run(tuple(args or ()), steps.version, with_logs=True)
+        steps.version += 1
+        return results
+
+    def join(self):
+        """Blocks until every scheduled function has finished; raises the first error."""
+        self._tf_coordinator.join()
+
+    def running_workers(self) -> list[int]:
+        """The indices of the declared workers that answer now (one gRPC check each).
+
+        In an elastic pool (`kerasps launch --workers MIN:MAX`) the others have
+        left or not joined yet; TensorFlow runs functions on the ones that answer.
+        """
+        return [i for i in range(self.num_workers) if _tf.task_alive("worker", i)]
+
+    def done(self) -> bool:
+        """True if every scheduled function has finished; raises the first error."""
+        return self._tf_coordinator.done()
+
+    def fetch(self, value):
+        """Blocks for and returns the result of a `RemoteValue` (or a nest of them)."""
+        return self._tf_coordinator.fetch(value)
+
+    def shutdown(self, timeout: float = 60.0):
+        """Stops the coordinator: its worker and failure-handling threads end.
+
+        Functions still queued are cancelled. `ClusterCoordinator(strategy)`
+        afterwards makes a new coordinator (`fit` does so by itself).
+
+        Args:
+            timeout: seconds to wait for the threads to end.
+
+        Raises:
+            RuntimeError: threads still run after `timeout` (named in the message).
+        """
+        _tf.stop_coordinator(self._tf_coordinator, self._strategy)
+        if getattr(self._strategy, "_kerasps_coordinator", None) is self:
+            self._strategy._kerasps_coordinator = None
+        deadline = time.monotonic() + timeout
+        for thread in _tf.coordinator_threads():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in _tf.coordinator_threads()]
+        if alive:
+            raise RuntimeError(f"Coordinator threads still running after {timeout} s: {alive}")
+
+    def create_per_worker_dataset(self, dataset_fn) -> input_lib.PerWorkerDataset:
+        """Builds one input pipeline per worker.
+
+        Args:
+            dataset_fn: a `kerasps.DatasetCreator`, a callable taking a
+                `kerasps.InputContext`, a no-argument callable (which may call
+                `strategy.distribute_datasets_from_function`), or a
+                `tf.data.Dataset` that every worker reads whole.
+
+        Returns:
+            A `PerWorkerDataset`; `iter()` of it gives the per-worker iterators
+            to pass to `schedule`, its `build()` each worker's dataset (to
+            iterate inside the scheduled function), as TensorFlow's does.
+        """
+        return input_lib.PerWorkerDataset(self._strategy, self._tf_coordinator, dataset_fn)
+
+    # -- tracing -------------------------------------------------------------------
+    def start_trace(self, kind: str = "train", steps: int = 1):
+        """Starts recording one `kerasps.trace.StepEvent` per executed function.
+
+        Args:
+            kind: label of the events recorded from now on (`"train"`,
+                `"eval"`, `"predict"`); change it with `set_trace_phase`.
+            steps: training steps each scheduled function runs.
+        """
+        with self._trace_lock:
+            if self._trace is None:
+                self._remove_observer = _tf.observe_closures(self._on_executed)
+            self._trace = []
+            self._trace_origin = time.perf_counter()
+            self._sequence = 0
+            self._phase = (kind, steps)
+
+    def set_trace_phase(self, kind: str, steps: int = 1):
+        """Labels the events recorded from now on."""
+        self._phase = (kind, steps)
+
+    def label(self, remote_value, **fields):
+        """Sets `StepEvent` fields (`kind`, `version`, `dropped`) of the traced event of
+        the function that returned `remote_value`, before or after it runs."""
+        if self._trace is None:
+            return
+        with self._trace_lock:
+            entry = self._labels.setdefault(id(remote_value), (remote_value, {}))
+            entry[1].update(fields)
+
+    @property
+    def tracing(self) -> bool:
+        return self._trace is not None
+
+    def stop_trace(self) -> list[trace_lib.StepEvent]:
+        """Stops recording and returns the events, ordered by start time."""
+        with self._trace_lock:
+            recorded, self._trace = self._trace or [], None
+            labels, self._labels = self._labels, {}
+            if getattr(self, "_remove_observer", None) is not None:
+                self._remove_observer()
+                self._remove_observer = None
+        events = [dataclasses.replace(event, **labels[key][1]) if key in labels else event
+                  for event, key in recorded]
+        return trace_lib.with_staleness(sorted(events, key=lambda e: e.start))
+
+    def _on_executed(self, worker_index, start, end, remote_value=None):
+        with self._trace_lock:
+            if self._trace is None:
+                return
+            kind, steps = self._phase
+            self._trace.append((trace_lib.StepEvent(
+                worker=worker_index, step=self._sequence, start=start - self._trace_origin,
+                end=end - self._trace_origin, steps=steps, kind=kind), id(remote_value)))
+            self._sequence += 1

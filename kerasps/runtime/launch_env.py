@@ -1,0 +1,106 @@
+"""What a process started by `kerasps launch` shares with the launcher: the environment
+variables the launcher sets, and the helpers that read them inside the tasks.
+
+`kerasps.cluster` (the chief's SIGTERM handler, process titles), the strategy (the
+elastic pool's `min_workers`, `report_connected`) and the sidecar evaluator (training
+finished) read them; the launcher itself (`kerasps.ops.launch`) sets them. Split
+from the launcher so that those modules, below it, need not import the supervisor.
+
+Pure Python: importing this module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from kerasps.policy._validation import positive_int
+
+# Where the launcher writes why it is ending the job, for the chief to read.
+REPORT_ENV = "KERASPS_LAUNCH_REPORT"
+# A file the launcher creates when the chief has exited with status 0, for the evaluator.
+TRAINING_FINISHED_ENV = "KERASPS_TRAINING_FINISHED"
+# The elastic pool: the chief's `min_workers`; a file holding the wanted worker count; a
+# file the chief's strategy creates once it has connected to every declared worker.
+MIN_WORKERS_ENV = "KERASPS_MIN_WORKERS"
+WORKERS_WANTED_ENV = "KERASPS_WORKERS_WANTED"
+CONNECTED_ENV = "KERASPS_CONNECTED"
+# The task a process of the job runs (`"worker 1"`), for its process title.
+TASK_ENV = "KERASPS_TASK"
+
+
+class TaskFailedError(RuntimeError):
+    """A task of the job failed for good (its restart budget is spent)."""
+
+    # Named in tracebacks as programs import it (`[chief 0] kerasps.launch.TaskFailedError:`).
+    __module__ = "kerasps.launch"
+
+
+def _write_atomically(path: str, text: str):
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as f:
+        f.write(text)
+    os.replace(temporary, path)
+
+
+
+# -- in the tasks ---------------------------------------------------------------------------
+def request_workers(count: int):
+    """Asks `kerasps launch --workers MIN:MAX` to run `count` workers (clamped to
+    [MIN, MAX]): stopped workers join, or the highest-numbered leave.
+
+    Raises:
+        RuntimeError: outside an elastic `kerasps launch` job.
+    """
+    positive_int("count", count)
+    path = os.environ.get(WORKERS_WANTED_ENV)
+    if not path:
+        raise RuntimeError(
+            "kerasps.launch.request_workers() resizes the worker pool of a job started by "
+            f"`kerasps launch --workers MIN:MAX`; ${WORKERS_WANTED_ENV} is not set here.")
+    _write_atomically(path, str(count))
+
+
+def report_connected():
+    """Tells an elastic launcher that the chief has connected to every declared worker
+    (the strategy calls it); a no-op elsewhere."""
+    path = os.environ.get(CONNECTED_ENV)
+    if path:
+        _write_atomically(path, "connected\n")
+
+
+# -- in the tasks: process titles -------------------------------------------------------------
+def name_process(task: str | None = None, detail: str = ""):
+    """Sets this process's title, as `ps` and `top` show it, to `kerasps: <task>` (and
+    `detail`); `task` defaults to `$KERASPS_TASK`, set by `kerasps launch`. A no-op
+    without a task, or without the `setproctitle` package."""
+    task = task or os.environ.get(TASK_ENV)
+    if not task:
+        return
+    try:
+        import setproctitle
+    except ImportError:  # pragma: no cover - a dependency of kerasps
+        return
+    setproctitle.setproctitle(f"kerasps: {task}" + (f" {detail}" if detail else ""))
+
+
+# -- in the chief --------------------------------------------------------------------------
+def install_chief_handler():
+    """Under `kerasps launch`, makes the launcher's SIGTERM raise `TaskFailedError` with
+    its reason in the chief's main thread (a no-op elsewhere)."""
+    report = os.environ.get(REPORT_ENV)
+    if not report or threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_sigterm(signum, frame):
+        try:
+            with open(report) as f:
+                reason = f.read().strip()
+        except OSError:
+            reason = ""
+        if not reason:
+            raise SystemExit(128 + signum)  # the job is being stopped (Ctrl-C)
+        raise TaskFailedError(f"The job failed: {reason}.")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
