@@ -203,11 +203,13 @@ def test_backup_worker_drops_the_slow_gradients_and_the_trace_shows_them(make_st
 
 
 def test_a_step_that_waits_too_long_fails_with_a_clear_error(make_strategy):
-    strategy = make_strategy(mode="sync", step_timeout=0.2)
+    # The fast worker must deliver within `step_timeout` even on a loaded machine (0.2 s
+    # was too short at a load average of 10); the slow one sleeps well past it.
+    strategy = make_strategy(mode="sync", step_timeout=1.5)
     with strategy.scope():
         model = _dense_model()
     with pytest.raises(TimeoutError, match=r"Synchronous step 0 has 1 of the 2 gradients"):
-        model.fit(kerasps.DatasetCreator(_slow_worker_fn(2.0)), epochs=1, steps_per_epoch=2,
+        model.fit(kerasps.DatasetCreator(_slow_worker_fn(4.0)), epochs=1, steps_per_epoch=2,
                   verbose=0)
 
 
