@@ -74,12 +74,14 @@ class Stream:
                     self.drawn = self.text
                 self.text, self.redrawn = "", True
             elif piece == "\n":
-                completed.append(self.text or (self.drawn if self.redrawn else ""))
+                line = self.text or (self.drawn if self.redrawn else "")
+                # A redraw shorter than the one before ends in spaces that erased it.
+                completed.append(line.rstrip(" ") if self.redrawn else line)
                 self.text, self.drawn, self.redrawn = "", "", False
             else:
                 self.text += piece
         if final and self.unfinished:
-            completed.append(self.unfinished)
+            completed.append(self.unfinished.rstrip(" ") if self.redrawn else self.unfinished)
             self.text, self.drawn, self.redrawn = "", "", False
         return completed
 
