@@ -432,31 +432,9 @@ class Launcher:
         and the evaluator first, while the servers still run, so that they end cleanly
         (SIGKILL after `INTERRUPT_GRACE`); then SIGTERM to every task left, SIGKILL to
         those still there after `STOP_GRACE`."""
-        programs = [p for p in self._processes.values()
-                    if runs_program(p.task.type) and p.popen and p.popen.poll() is None]
-        for process in programs:
-            _signal_group(process.popen, signum)
-        deadline = time.monotonic() + INTERRUPT_GRACE
-        for process in programs:
-            try:
-                process.popen.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self._say(f"{process.task.name} did not exit within {INTERRUPT_GRACE:g} s of "
-                          f"{signal.Signals(signum).name}: killed")
-                _signal_group(process.popen, signal.SIGKILL)
-                process.popen.wait()
-        alive = [p for p in self._all_processes() if p.popen and p.popen.poll() is None]
-        for process in alive:
-            _signal_group(process.popen, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE
-        for process in alive:
-            try:
-                process.popen.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self._say(f"{process.task.name} did not exit within {STOP_GRACE:g} s of "
-                          "SIGTERM: killed")
-                _signal_group(process.popen, signal.SIGKILL)
-                process.popen.wait()
+        programs = [p for p in self._processes.values() if runs_program(p.task.type)]
+        self._stop_processes(programs, signum=signum, grace=INTERRUPT_GRACE, report=True)
+        self._stop_processes(self._all_processes(), grace=STOP_GRACE, report=True)
 
     def _shutdown(self):
         """Stops every process, and whatever is left of their process groups."""
@@ -468,20 +446,24 @@ class Launcher:
             if process.pump is not None:
                 process.pump.join(timeout=GRACE_PERIOD)
 
-    @staticmethod
-    def _stop_processes(processes, wait=True):
-        """SIGTERM to the process groups of `processes`, SIGKILL after the grace period
-        (with `wait=False`, only the SIGTERM)."""
+    def _stop_processes(self, processes, wait=True, signum=signal.SIGTERM, grace=GRACE_PERIOD,
+                        report=False):
+        """`signum` (SIGTERM) to the process groups of the running `processes`, SIGKILL to
+        those still there after `grace` seconds (with `wait=False`, only the first signal;
+        with `report`, each kill is said)."""
         alive = [p for p in processes if p.popen and p.popen.poll() is None]
         for process in alive:
-            _signal_group(process.popen, signal.SIGTERM)
+            _signal_group(process.popen, signum)
         if not wait:
             return
-        deadline = time.monotonic() + GRACE_PERIOD
+        deadline = time.monotonic() + grace
         for process in alive:
             try:
                 process.popen.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                if report:
+                    self._say(f"{process.task.name} did not exit within {grace:g} s of "
+                              f"{signal.Signals(signum).name}: killed")
                 _signal_group(process.popen, signal.SIGKILL)
                 process.popen.wait()
 
