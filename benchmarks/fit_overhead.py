@@ -111,6 +111,22 @@ def _measure(run, steps, fits):
                        for k in keys}}
 
 
+def _sharded_model(spe):
+    """`fit_throughput.py`'s cluster, strategy and compiled model."""
+    import keras
+
+    import kerasps
+
+    resolver = kerasps.cluster.in_process(num_workers=ft.NUM_WORKERS, num_ps=ft.NUM_PS)
+    strategy = kerasps.ParameterServerStrategy(
+        resolver, variable_partitioner=kerasps.partitioners.MinSizePartitioner(
+            min_shard_bytes=ft.MIN_SHARD_BYTES, max_shards=ft.MAX_SHARDS))
+    with strategy.scope():
+        model = ft._build_model(keras)
+        model.compile(keras.optimizers.Adam(), "mse", steps_per_execution=spe)
+    return strategy, model
+
+
 def run_variant(variant, spe, steps, fits):
     import gc
 
@@ -132,15 +148,9 @@ def run_variant(variant, spe, steps, fits):
     from kerasps.trainer import steps as steps_lib
 
     if variant == "no_staleness":
-        staleness.measured = lambda model, train_step: train_step
+        staleness.measured = lambda model, train_step, cache: train_step
         steps_lib.staleness.measured = staleness.measured
-    resolver = kerasps.cluster.in_process(num_workers=ft.NUM_WORKERS, num_ps=ft.NUM_PS)
-    strategy = kerasps.ParameterServerStrategy(
-        resolver, variable_partitioner=kerasps.partitioners.MinSizePartitioner(
-            min_shard_bytes=ft.MIN_SHARD_BYTES, max_shards=ft.MAX_SHARDS))
-    with strategy.scope():
-        model = ft._build_model(keras)
-        model.compile(keras.optimizers.Adam(), "mse", steps_per_execution=spe)
+    strategy, model = _sharded_model(spe)
     if variant == "unrolled":
         model.unrolled_steps_per_execution = spe
     if variant == "no_loss_metric":
@@ -176,21 +186,13 @@ def paired(spe, steps, fits, variants):
     import contextlib
     import gc
 
-    import keras
-
     import kerasps
     from kerasps.trainer import staleness
     from kerasps.trainer import steps as steps_lib
 
-    resolver = kerasps.cluster.in_process(num_workers=ft.NUM_WORKERS, num_ps=ft.NUM_PS)
-    strategy = kerasps.ParameterServerStrategy(
-        resolver, variable_partitioner=kerasps.partitioners.MinSizePartitioner(
-            min_shard_bytes=ft.MIN_SHARD_BYTES, max_shards=ft.MAX_SHARDS))
-    with strategy.scope():
-        model = ft._build_model(keras)
-        model.compile(keras.optimizers.Adam(), "mse", steps_per_execution=spe)
-    model.fit(kerasps.DatasetCreator(ft._dataset_fn), epochs=1,
-              steps_per_epoch=max(20, 4 * spe), verbose=0)
+    strategy, model = _sharded_model(spe)
+    data = kerasps.DatasetCreator(ft._dataset_fn)  # kept: the coordinator caches by it, weakly
+    model.fit(data, epochs=1, steps_per_epoch=max(20, 4 * spe), verbose=0)
     coordinator = kerasps.ClusterCoordinator(strategy)
     (pipelines,) = coordinator._dataset_cache.values()
     iterator = pipelines["train"].persistent_iterator()
@@ -199,7 +201,7 @@ def paired(spe, steps, fits, variants):
     @contextlib.contextmanager
     def variant(name):
         if name == "no_staleness":
-            steps_lib.staleness.measured = lambda model, train_step: train_step
+            steps_lib.staleness.measured = lambda model, train_step, cache: train_step
         elif name == "no_loss_metric":
             object.__setattr__(model._loss_tracker, "update_state", lambda *a, **k: None)
         elif name == "unrolled":
