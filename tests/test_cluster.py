@@ -53,6 +53,29 @@ def test_three_workers_on_two_cores_do_not_deadlock():
     assert "steps 60" in out
 
 
+def test_in_process_servers_share_an_inter_op_pool_sized_for_all_their_tasks():
+    # TensorFlow runs the ops of every server of a process on one inter-op pool
+    # (`ComputePool`), sized by the first server started: the tasks of an in-process
+    # cluster share it. Sized for one task (3 threads for 2 workers on 2 cores), the
+    # pool's threads were all held by two workers' handlers, each waiting for a ps
+    # task's answer that needed a free one: tests/test_errors.py hung 2 runs in 8,
+    # and with it a whole CI run. Each task now brings the threads it would have
+    # alone.
+    out = run_python("""
+        import os
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        import kerasps
+        kerasps.cluster.in_process(2, 2)
+        def comm(tid):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                return f.read().strip()
+        print("POOL", sum(comm(t) == "tf_Compute" for t in os.listdir("/proc/self/task")))
+    """)
+    [pool] = [int(line.split()[1]) for line in out.splitlines() if line.startswith("POOL")]
+    alone = kerasps.cluster.server_config("worker", 2).inter_op_parallelism_threads
+    assert pool >= 4 * alone  # 2 workers and 2 ps
+
+
 def test_in_process_sets_grpc_fail_fast_and_counts_tasks(cluster):
     assert os.environ["GRPC_FAIL_FAST"] == "use_caller"
     jobs = cluster.cluster_spec().as_dict()

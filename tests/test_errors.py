@@ -26,12 +26,14 @@ SPIN_LIMIT = 200_000
 
 class Loop:
     """A coordinator with ps variables `hold` (while it is 1, failing functions wait),
-    `ran` (counts runs of `count`) and `attempts` (counts runs of failing functions)."""
+    `release` (once it is 1, long functions end), `ran` (counts runs of `count`) and
+    `attempts` (counts runs of failing functions)."""
 
     def __init__(self, strategy):
         self.coordinator = kerasps.ClusterCoordinator(strategy)
         with strategy.scope():
             self.hold = tf.Variable(0, name="hold")
+            self.release = tf.Variable(0, name="release")
             self.ran = tf.Variable(0, name="ran")
             self.attempts = tf.Variable(0, name="attempts")
         self.count = tf.function(lambda: self.ran.assign_add(1))
@@ -106,12 +108,19 @@ def test_functions_queued_behind_an_error_are_cancelled_and_the_coordinator_reco
     iterator = iter(coordinator.create_per_worker_dataset(
         lambda context: tf.data.Dataset.range(100).repeat()))
 
+    release = loop.release
+
     @tf.function
     def busy():
-        # Worker-local work far longer than the test (as in TensorFlow's own test):
-        # it only ends by being cancelled.
-        [x] = tf.while_loop(lambda x: x < 1e12, lambda x: x + tf.reduce_sum(
-            tf.linalg.matmul(tf.ones([32, 32]), tf.ones([32, 32]))) * 1e-9, [0.0])
+        # Work far longer than the test (as in TensorFlow's own test): on the
+        # coordinator it ends by being cancelled. The worker may not hear of the
+        # cancellation (gRPC loses one now and then): it would go on running there
+        # and hold every later function of its worker, so the test ends such a
+        # straggler by `release` once the cancellations are checked.
+        [x] = tf.while_loop(
+            lambda x: tf.logical_and(x < 1e12, release.read_value() == 0),
+            lambda x: x + tf.reduce_sum(
+                tf.linalg.matmul(tf.ones([32, 32]), tf.ones([32, 32]))) * 1e-9, [0.0])
         return x
 
     @tf.function
@@ -132,6 +141,7 @@ def test_functions_queued_behind_an_error_are_cancelled_and_the_coordinator_reco
     for remote in queued:
         with pytest.raises(tf.errors.CancelledError):
             remote.fetch()
+    loop.release.assign(1)
 
     # The coordinator, its workers and their per-worker iterators work again.
     again = [coordinator.schedule(loop.count) for _ in range(4)]

@@ -73,24 +73,34 @@ def _enable_fail_fast():
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
 
 
-def server_config(task_type: str, num_workers: int):
+def server_config(task_type: str, num_workers: int, tasks_in_process: int = 1):
     """Returns the `ConfigProto` a worker or ps server needs on a small machine.
 
     A worker runs one step function per scheduled closure and, with
     asynchronous dispatch, several closures' ops wait on each other; with
     fewer inter-op threads than `num_workers + 1` an in-process cluster on a
     2-core machine deadlocks (TF's own tutorial raises the count for workers).
+
+    TensorFlow runs the ops of every server of a process on one inter-op pool,
+    sized by the first server started (`ComputePool`): the `tasks_in_process`
+    servers of an in-process cluster share it, so it gets the threads each
+    would have alone. Sized for one task, every thread was held by workers'
+    handlers waiting for a ps task's answer that needed a free one.
     """
     import tensorflow as tf
 
     config = tf.compat.v1.ConfigProto()
     threads = max(multiprocessing.cpu_count(), num_workers + 1)
-    config.inter_op_parallelism_threads = threads
+    config.inter_op_parallelism_threads = threads * tasks_in_process
     return config
 
 
-def start_server(cluster_spec, task_type: str, task_index: int, num_workers=None):
-    """Starts a `tf.distribute.Server` for one task of `cluster_spec` and returns it."""
+def start_server(cluster_spec, task_type: str, task_index: int, num_workers=None,
+                 tasks_in_process: int = 1):
+    """Starts a `tf.distribute.Server` for one task of `cluster_spec` and returns it.
+
+    `tasks_in_process`: the servers this process will run (see `server_config`).
+    """
     import tensorflow as tf
 
     if num_workers is None:
@@ -99,7 +109,7 @@ def start_server(cluster_spec, task_type: str, task_index: int, num_workers=None
         cluster_spec,
         job_name=task_type,
         task_index=task_index,
-        config=server_config(task_type, num_workers),
+        config=server_config(task_type, num_workers, tasks_in_process),
         protocol="grpc",
         start=True,
     )
@@ -136,7 +146,7 @@ def in_process(num_workers: int = 2, num_ps: int = 2):
     spec = tf.train.ClusterSpec(cluster)
     for task_type in ("worker", "ps"):
         for i in range(len(cluster[task_type])):
-            start_server(spec, task_type, i, num_workers)
+            start_server(spec, task_type, i, num_workers, num_workers + num_ps)
     return tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc")
 
 
