@@ -11,7 +11,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
 
-
 # Seconds a test may run before pytest-timeout prints every thread's stack and ends the
 # run: a hang fails CI at once, showing where it hung. Tests take under a minute in the
 # default run, a few minutes when `slow` and up to 15 when `stress`.
