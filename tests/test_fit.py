@@ -311,6 +311,63 @@ def test_evaluate_visits_each_element_of_finite_datasets_once(strategy):
     assert flat[1] == 4 * BATCH
 
 
+class FailsWorker(keras.callbacks.Callback):
+    """Reports worker 1 failed (as TensorFlow's coordinator does, through
+    `observe_worker_failures`) at the first batch of the first `passes` passes."""
+
+    def __init__(self, monkeypatch, passes):
+        super().__init__()
+        self.observers, self.passes, self.begins, self.batches = [], passes, 0, []
+        from kerasps.backend import _tf
+
+        def observe(observer):
+            self.observers.append(observer)
+            return lambda: self.observers.remove(observer)
+
+        monkeypatch.setattr(_tf, "observe_worker_failures", observe)
+
+    def on_test_begin(self, logs=None):
+        self.begins += 1
+
+    def on_test_batch_end(self, batch, logs=None):
+        if batch == 0:
+            self.batches.append([])
+            if len(self.batches) <= self.passes:
+                for notify in self.observers:
+                    notify(1)
+        self.batches[-1].append(batch)
+
+
+def test_evaluate_starts_over_when_a_worker_fails_during_it(strategy, monkeypatch, caplog):
+    # A worker that comes back reads its share again from the start (296 examples of 256
+    # were counted in tests/conformance/test_evaluation_under_worker_failures.py).
+    model = build(strategy, metrics=[ExampleCount])
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.zeros((40, 2), "int32"), np.ones((40, 1), "float32"))).batch(4)
+    failing = FailsWorker(monkeypatch, passes=1)
+    with caplog.at_level("WARNING", logger="kerasps"):
+        logs = model.evaluate(data, verbose=0, return_dict=True, callbacks=[failing])
+    assert logs["examples"] == 40
+    assert [len(batches) for batches in failing.batches] == [10, 10]
+    assert failing.begins == 1
+    assert "Evaluation starts over: workers [1] failed" in caplog.text
+    # With `steps`, a fixed number of batches: nothing to start over.
+    failing = FailsWorker(monkeypatch, passes=1)
+    model.evaluate(data.repeat(), steps=6, verbose=0, callbacks=[failing])
+    assert [len(batches) for batches in failing.batches] == [6]
+
+
+def test_evaluate_raises_rather_than_count_twice_when_workers_keep_failing(strategy,
+                                                                          monkeypatch):
+    model = build(strategy, metrics=[ExampleCount])
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.zeros((16, 2), "int32"), np.ones((16, 1), "float32"))).batch(4)
+    failing = FailsWorker(monkeypatch, passes=99)
+    with pytest.raises(RuntimeError, match=r"workers \[1\] failed during each of its 3 "):
+        model.evaluate(data, verbose=0, callbacks=[failing])
+    assert len(failing.batches) == 3
+
+
 def test_predict_returns_outputs_in_input_order(make_strategy):
     strategy = make_strategy()
     with strategy.scope():

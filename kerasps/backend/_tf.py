@@ -344,6 +344,30 @@ def observe_closures(observer):
     return lambda: _closure_observers.remove(observer)
 
 
+_failure_observers = []
+_failures_installed = False
+
+
+def observe_worker_failures(observer):
+    """Calls `observer(worker_index)` whenever TensorFlow's coordinator finds a worker
+    failed: its per-worker resources (iterators) are then aborted, and rebuilt from the
+    start of their datasets once it answers again. Returns a function that removes the
+    observer."""
+    global _failures_installed
+    if not _failures_installed:
+        original = cluster_coordinator.Worker._set_resources_aborted
+
+        def _set_resources_aborted(worker, error):
+            for notify in list(_failure_observers):
+                notify(worker.worker_index)
+            return original(worker, error)
+
+        cluster_coordinator.Worker._set_resources_aborted = _set_resources_aborted
+        _failures_installed = True
+    _failure_observers.append(observer)
+    return lambda: _failure_observers.remove(observer)
+
+
 _pinned_installed = False
 
 

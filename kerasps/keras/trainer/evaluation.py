@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import tensorflow as tf
 
-from kerasps.backend import _keras
+from kerasps.backend import _keras, _tf
 from kerasps.keras.trainer import recovery
 from kerasps.keras.trainer.checks import build, check_model
 from kerasps.keras.trainer.dispatch import Window, to_logs
@@ -12,9 +14,22 @@ from kerasps.keras.trainer.inputs import make_source, per_worker_dataset, requir
 from kerasps.keras.trainer.steps import make_test_function
 from kerasps.policy._validation import positive_int
 
+# Times an evaluation without `steps` starts over after workers failed during it.
+MAX_ATTEMPTS = 3
+
+logger = logging.getLogger("kerasps")
+
 
 class Evaluation:
-    """An evaluation input built once and run any number of times (e.g. every epoch)."""
+    """An evaluation input built once and run any number of times (e.g. every epoch).
+
+    Without `steps`, each worker reads its share of the data to the end and the
+    metrics count every example once. A worker that fails and comes back reads
+    its share again from the start (TensorFlow rebuilds its iterator), which
+    would count examples twice: the evaluation then starts over (metrics reset,
+    fresh iterators), up to `MAX_ATTEMPTS` times, and raises if workers keep
+    failing rather than report inexact metrics.
+    """
 
     def __init__(self, model, coordinator, source, steps, steps_argument="steps"):
         self.model = model
@@ -25,19 +40,47 @@ class Evaluation:
         self.per_worker = per_worker_dataset(coordinator, source, "evaluate")
 
     def run(self, callbacks=None, verbose="auto", return_dict=False):
-        model, coordinator = self.model, self.coordinator
+        model = self.model
         build(model, self.per_worker)
         if not isinstance(callbacks, _keras.CallbackList):
             callbacks = _keras.CallbackList(
                 callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
                 steps=self.steps, model=model)
+        model.stop_evaluating = False
+        callbacks.on_test_begin()
+        failed = set()
+        remove = _tf.observe_worker_failures(failed.add)
+        try:
+            for attempt in range(1, MAX_ATTEMPTS + 1):
+                failed.clear()
+                logs = self._run_once(callbacks)
+                if self.steps is not None or not failed or model.stop_evaluating:
+                    break
+                workers = sorted(failed)
+                if attempt == MAX_ATTEMPTS:
+                    raise RuntimeError(
+                        f"`evaluate` could not count every example once: workers {workers} "
+                        f"failed during each of its {MAX_ATTEMPTS} attempts (a worker that "
+                        "comes back reads its share of the data again from the start). "
+                        "Pass `steps` to evaluate a fixed number of batches instead.")
+                logger.warning("Evaluation starts over: workers %s failed during it and "
+                               "read their data again from the start.", workers)
+        finally:
+            remove()
+        logs = _keras.pythonify_logs(_keras.metrics_result_or_logs(model, logs))
+        callbacks.on_test_end(logs)
+        if return_dict:
+            return logs
+        return _keras.flatten_metrics_in_order(model, logs)
+
+    def _run_once(self, callbacks):
+        """One pass: resets the metrics, starts fresh iterators and returns the last logs."""
+        model, coordinator = self.model, self.coordinator
         spe = model.steps_per_execution
         test_function = make_test_function(model)
         iterator = iter(self.per_worker)
         if coordinator.tracing:
             coordinator.set_trace_phase("eval", spe)
-        model.stop_evaluating = False
-        callbacks.on_test_begin()
         model.reset_metrics()
         window = Window(coordinator)
         exhausted = set()
@@ -71,11 +114,7 @@ class Evaluation:
             window.abandon()
             recovery.raise_if_ps_lost(error, model, "evaluate")
             raise
-        logs = _keras.pythonify_logs(_keras.metrics_result_or_logs(model, logs))
-        callbacks.on_test_end(logs)
-        if return_dict:
-            return logs
-        return _keras.flatten_metrics_in_order(model, logs)
+        return logs
 
 
 def evaluate(model, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
