@@ -136,11 +136,16 @@ def _config(record):
     return (record["ps_rate"] or record["rate"], record["ps"], record["placement"], record["spe"])
 
 
-def _scenario(record, step_time, overhead, duplex):
+# The link models compared: (name, `[network] duplex`, `[network] sharing`).
+MODELS = (("half duplex", "half", "queue"), ("full duplex", "full", "queue"),
+          ("full duplex, fair", "full", "fair"))
+
+
+def _scenario(record, step_time, overhead, duplex, sharing="queue"):
     """The simulator's scenario of `record`'s run: its variables (as the placement report
     names them, in creation order) placed by the same policy, 2 workers of constant step
     time, ps links of the record's rate less the framing `overhead` (wire / variable bytes),
-    ps contention, no latency."""
+    ps contention, no latency, the link model `duplex` and `sharing`."""
     import simulator
 
     bandwidth = netbench.parse_rate(record["ps_rate"] or record["rate"]) / 8 / overhead
@@ -149,17 +154,19 @@ def _scenario(record, step_time, overhead, duplex):
         "workers": {"count": NUM_WORKERS,
                     "step_time": {"distribution": "constant", "value": step_time}},
         "ps": {"count": record["ps"], "contention": True},
-        "network": {"bandwidth": bandwidth, "latency": 0.0, "duplex": duplex},
+        "network": {"bandwidth": bandwidth, "latency": 0.0, "duplex": duplex,
+                    "sharing": sharing},
         "training": {"mode": "async", "steps": 400},
         "model": {"placement": record["placement"],
                   "variables": [{"name": name, "shape": [max(1, nbytes // 4)]}
                                 for name, nbytes, _ in record["variables"]]}})
 
 
-def _simulate(record, step_time, overhead, duplex):
+def _simulate(record, step_time, overhead, duplex, sharing="queue"):
     import simulator
 
-    return simulator.run(_scenario(record, step_time, overhead, duplex)).steps_per_second
+    return simulator.run(_scenario(record, step_time, overhead, duplex,
+                                   sharing)).steps_per_second
 
 
 def _overhead(record):
@@ -168,14 +175,14 @@ def _overhead(record):
     return sent / record["steps"] / sum(nbytes for _, nbytes, _ in record["variables"])
 
 
-def calibrate(record, duplex):
+def calibrate(record, duplex, sharing="queue"):
     """The constant step time (compute and everything off the ps links) for which the
     simulator reproduces `record`'s throughput, with its measured framing overhead."""
     overhead = _overhead(record)
     lo, hi = 1e-5, 10.0
     for _ in range(40):  # throughput falls as the step time grows: bisect (geometrically)
         mid = (lo * hi) ** 0.5
-        if _simulate(record, mid, overhead, duplex) > record["steps_per_s"]:
+        if _simulate(record, mid, overhead, duplex, sharing) > record["steps_per_s"]:
             lo = mid
         else:
             hi = mid
@@ -196,33 +203,50 @@ def _merged(records):
                                          r["ps"], r["placement"], r["spe"]))
 
 
-def predict_table(records, calibration):
+def predict_table(records, calibration, models=MODELS):
+    """A markdown table of `records`' measured throughput beside the simulator's, for each
+    link model of `models`, calibrated on the configuration `calibration` (ps link rate,
+    ps tasks, placement, steps_per_execution); the last row: each model's largest error
+    over the rows other than the calibration's."""
     records = _merged(records)
     base = [r for r in records if _config(r) == calibration]
     if not base:
         raise SystemExit(f"no record of the calibration configuration {calibration}; "
                          f"have {[_config(r) for r in records]}")
-    fits = {d: calibrate(base[0], d) for d in ("half", "full")}
+    fits = {name: calibrate(base[0], duplex, sharing) for name, duplex, sharing in models}
+    steps = " / ".join(f"{fits[name][0] * 1000:.1f} ms ({name})" for name, _, _ in models)
     lines = [f"Calibrated on {calibration[0]}, {calibration[1]} ps, {calibration[2]}, "
-             f"spe {calibration[3]}: framing overhead {fits['full'][1]:.3f}, step time "
-             f"{fits['half'][0] * 1000:.1f} ms (half duplex) / {fits['full'][0] * 1000:.1f} ms "
-             "(full duplex).", "",
+             f"spe {calibration[3]}: framing overhead {fits[models[0][0]][1]:.3f}, "
+             f"step time {steps}.", "",
              "| ps link | ps tasks | placement | spe | bytes out of the busiest ps KiB/step "
-             "| measured steps/s (runs) | simulator, half duplex | error "
-             "| simulator, full duplex | error |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| measured steps/s (runs) | "
+             + " | ".join(f"simulator, {name} | error" for name, _, _ in models) + " |",
+             "|---|---:|---|---:|---:|---:|" + "---:|---:|" * len(models)]
+    worst = dict.fromkeys(fits, 0.0)
     for r in records:
         busiest = max(c["tx_bytes"] for ns, c in r["counters"].items() if "-ps-" in ns)
         cells = []
-        for duplex in ("half", "full"):
-            step_time, overhead = fits[duplex]
-            predicted = _simulate(r, step_time, overhead, duplex)
-            cells.append(f"{predicted:.2f} | {predicted / r['steps_per_s'] - 1:+.0%}")
+        for name, duplex, sharing in models:
+            step_time, overhead = fits[name]
+            predicted = _simulate(r, step_time, overhead, duplex, sharing)
+            error = predicted / r["steps_per_s"] - 1
+            if _config(r) != calibration:
+                worst[name] = max(worst[name], abs(error))
+            cells.append(f"{predicted:.2f} | {error:+.0%}")
         mark = " (calibration)" if _config(r) == calibration else ""
         runs = ", ".join(f"{x:.2f}" for x in r["runs"])
         lines.append(f"| {r['ps_rate'] or r['rate']} | {r['ps']} | {r['placement']}{mark} "
                      f"| {r['spe']} | {busiest / r['steps'] / 1024:.0f} "
                      f"| {r['steps_per_s']:.2f} ({runs}) | {' | '.join(cells)} |")
+    lines.append("| largest error, other rows | | | | | | "
+                 + " | ".join(f" | {worst[name]:.0%}" for name, _, _ in models) + " |")
+    for name, duplex, sharing in models:
+        step_time, overhead = fits[name]
+        fastest = _simulate(base[0], step_time, overhead, duplex, sharing)
+        if fastest < 0.99 * base[0]["steps_per_s"]:
+            lines.append(f"\n{name}: even with no step time the model gives {fastest:.2f} "
+                         f"steps/s, below the calibration run's {base[0]['steps_per_s']:.2f}: "
+                         "its links alone are slower than the measured ones.")
     return "\n".join(lines)
 
 

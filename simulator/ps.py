@@ -43,6 +43,10 @@ class ParameterServer:
             task's link (with a full-duplex `[network]`, its inbound direction: the
             gradients, and the apply).
         uplink: with contention, the outbound direction of a full-duplex link (reads).
+        inlink: with contention and `[network] sharing = "fair"`, the `Link` of its
+            inbound direction (gradients); `None` otherwise.
+        outlink: likewise its outbound direction (reads): `inlink` itself when the link
+            is half duplex.
         up: `False` while it is down after a crash.
         busy: seconds spent serving (contention mode only; otherwise derived).
     """
@@ -56,6 +60,7 @@ class ParameterServer:
                              else self.step_bytes / spec.service_rate)
         self.resource = simpy.Resource(env, capacity=1) if spec.contention else None
         self.uplink = simpy.Resource(env, capacity=1) if spec.contention else None
+        self.inlink = self.outlink = None  # set by the cluster with fair sharing
         self.up = True
         self.busy = 0.0
         self.process: simpy.Process | None = None

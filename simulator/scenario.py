@@ -146,11 +146,17 @@ class NetworkSpec:
             take turns on the ps task's link (a step holds it for both); `"full"`: the
             link carries reads (out of the ps task) and gradients (into it) at once, as a
             switched Ethernet link does, so one worker's read overlaps another's gradient.
+        sharing: with ps contention, how transfers in the same direction of a ps task's
+            link meet: `"queue"`: one at a time, each whole, in arrival order;
+            `"fair"`: all at once, each at an equal share of the rate (processor
+            sharing, as concurrent TCP flows through one bottleneck), so two equal
+            transfers that start together end together, after twice the time of one.
     """
 
     bandwidth: float = math.inf
     latency: float = 0.0
     duplex: str = "half"
+    sharing: str = "queue"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,9 +452,12 @@ def _parse(data: dict, source: str | None, base_dir: str | None) -> Scenario:
     network = NetworkSpec(bandwidth=n.number("bandwidth", math.inf, positive=True,
                                              allow_inf=True),
                           latency=n.number("latency", 0.0, non_negative=True),
-                          duplex=n.string("duplex", "half"))
+                          duplex=n.string("duplex", "half"),
+                          sharing=n.string("sharing", "queue"))
     if network.duplex not in ("half", "full"):
         raise n.error("duplex", network.duplex, "expected one of ['half', 'full']")
+    if network.sharing not in ("queue", "fair"):
+        raise n.error("sharing", network.sharing, "expected one of ['fair', 'queue']")
     n.finish()
 
     model = _parse_model(top.table("model", {}), ps.count)

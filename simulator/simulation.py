@@ -11,6 +11,7 @@ import simpy
 
 from simulator import elastic, failures
 from simulator.coordinator import Coordinator, coordinator
+from simulator.link import Link
 from simulator.metrics import Metrics, Result
 from simulator.network import Network
 from simulator.ps import ParameterServer, place_variables, ps
@@ -55,6 +56,11 @@ class Cluster:
         for server in self.servers:
             server.process = env.process(ps(env, server, self.coordinator))
         self.network = Network(scenario.network)
+        if scenario.ps.contention and scenario.network.sharing == "fair":
+            for server in self.servers:
+                server.inlink = Link(env, scenario.network.bandwidth)
+                server.outlink = (Link(env, scenario.network.bandwidth)
+                                  if scenario.network.duplex == "full" else server.inlink)
         self.cpu = (simpy.Resource(env, capacity=scenario.host.cpus)
                     if scenario.host.cpus else None)
         self.running = True
@@ -120,9 +126,24 @@ class Cluster:
                 if latency:
                     yield env.timeout(latency / 2)
 
+            def shared(server, direction, apply):  # fair sharing: the bytes, then the apply
+                yield direction.transfer(server.step_bytes)
+                if apply and server.service_time:
+                    with server.resource.request() as request:
+                        yield request
+                        yield env.timeout(server.service_time)
+                        server.busy += server.service_time
+                if latency:
+                    yield env.timeout(latency / 2)
+
             def transfers():
                 servers = [server for server in self.servers if server.step_bytes]
-                if s.network.duplex == "full":  # every read before any gradient
+                if s.network.sharing == "fair":  # reads out of the ps tasks, then gradients in
+                    yield env.all_of([env.process(shared(server, server.outlink, False))
+                                      for server in servers])
+                    yield env.all_of([env.process(shared(server, server.inlink, True))
+                                      for server in servers])
+                elif s.network.duplex == "full":  # every read before any gradient
                     yield env.all_of([env.process(read(server)) for server in servers])
                     yield env.all_of([env.process(send(server)) for server in servers])
                 else:
@@ -202,6 +223,8 @@ class Cluster:
         ps_rows = []
         for server in self.servers:
             busy = server.busy if s.ps.contention else completed * server.service_time
+            if server.inlink is not None:  # fair sharing: the busier direction, and the applies
+                busy += max(server.inlink.busy, server.outlink.busy)
             ps_rows.append({"index": server.index, "bytes": server.nbytes,
                             "traffic_bytes": 2 * server.step_bytes * completed,
                             "utilization": busy / elapsed if elapsed > 0 else 0.0})

@@ -1,0 +1,156 @@
+"""Fair sharing of a ps task's link (`[network] sharing = "fair"`): closed forms."""
+
+import pytest
+import simpy
+
+import simulator
+from simulator.link import Link
+
+from .builders import make
+
+ONE_MB = {"variables": [{"name": "w", "shape": [1000, 250]}]}  # 1e6 bytes on one ps task
+
+
+def _ends(transfers, bandwidth=1e6):
+    """When each `(start, nbytes)` transfer over one `Link` of `bandwidth` ends."""
+    env = simpy.Environment()
+    shared = Link(env, bandwidth)
+    ends = [None] * len(transfers)
+
+    def sender(i, start, nbytes):
+        yield env.timeout(start)
+        yield shared.transfer(nbytes)
+        ends[i] = env.now
+
+    for i, (start, nbytes) in enumerate(transfers):
+        env.process(sender(i, start, nbytes))
+    env.run(until=1000)
+    return ends, shared
+
+
+def test_one_transfer_takes_its_bytes_over_the_rate():
+    ends, shared = _ends([(0.0, 2e6)])
+    assert ends == [pytest.approx(2.0)]
+    assert shared.busy == pytest.approx(2.0)
+
+
+def test_two_equal_transfers_share_the_rate_and_end_together_at_twice_the_time():
+    ends, shared = _ends([(0.0, 1e6), (0.0, 1e6)])
+    assert ends == [pytest.approx(2.0), pytest.approx(2.0)]
+    assert shared.busy == pytest.approx(2.0)
+
+
+def test_a_transfer_joining_later_slows_the_first_then_runs_alone():
+    # 0-1 s: A alone (1e6 of its 2e6 bytes); 1-3 s: both at half the rate (A's last 1e6
+    # bytes, B's first 1e6); A ends at 3 s; B's last 0.5e6 bytes alone: 3.5 s.
+    ends, shared = _ends([(0.0, 2e6), (1.0, 1.5e6)])
+    assert ends == [pytest.approx(3.0), pytest.approx(3.5)]
+    assert shared.busy == pytest.approx(3.5)
+
+
+def test_three_unequal_transfers_end_in_order_of_size():
+    # Shares of 1/3 until the smallest (1e6) ends at 3 s, then 1/2 until the middle one's
+    # last 1e6 bytes are across at 5 s, then the largest's last 1e6 alone: 6 s.
+    ends, _ = _ends([(0.0, 3e6), (0.0, 1e6), (0.0, 2e6)])
+    assert ends == [pytest.approx(6.0), pytest.approx(3.0), pytest.approx(5.0)]
+
+
+def test_an_idle_link_is_not_busy_and_empty_transfers_end_at_once():
+    ends, shared = _ends([(0.0, 1e6), (5.0, 1e6), (7.0, 0)])
+    assert ends == [pytest.approx(1.0), pytest.approx(6.0), pytest.approx(7.0)]
+    assert shared.busy == pytest.approx(2.0)
+
+
+def _steps_per_second(workers, duplex, sharing, step_time=1e-6, count=1):
+    scenario = make(workers, {"distribution": "constant", "value": step_time}, model=ONE_MB,
+                    ps={"contention": True, "count": count},
+                    network={"bandwidth": 1e6, "duplex": duplex, "sharing": sharing},
+                    training={"steps": 200})
+    return simulator.run(scenario)
+
+
+def test_one_worker_alone_reads_then_sends_at_the_full_rate():
+    # Nothing shares the link: 1 s of read and 1 s of gradient a step, whatever the model.
+    for duplex in ("half", "full"):
+        for sharing in ("queue", "fair"):
+            result = _steps_per_second(1, duplex, sharing)
+            assert result.steps_per_second == pytest.approx(0.5, rel=0.01), (duplex, sharing)
+
+
+def test_fair_full_duplex_two_workers_in_step_share_each_direction():
+    # Two workers starting together read together (2e6 bytes at 1e6 B/s: 2 s), then send
+    # together (2 s): 2 steps each 4 s, 0.5 steps/s; the queue model instead pipelines one
+    # worker's read with the other's gradient (1 step/s).
+    fair = _steps_per_second(2, "full", "fair")
+    assert fair.steps_per_second == pytest.approx(0.5, rel=0.01)
+    # Each direction carries bytes half the time (reads, then gradients).
+    assert fair.ps[0]["utilization"] == pytest.approx(0.5, abs=0.01)
+    assert _steps_per_second(2, "full", "queue").steps_per_second == pytest.approx(
+        1.0, rel=0.02)
+
+
+def _staggered(half_duplex):
+    """Two steps of 1e6 bytes read then 1e6 bytes of gradient, the second 1 s after the
+    first, over the links of one ps task: one `Link` each way, or one for both."""
+    env = simpy.Environment()
+    inlink = Link(env, 1e6)
+    outlink = inlink if half_duplex else Link(env, 1e6)
+    ends = []
+
+    def step(delay):
+        yield env.timeout(delay)
+        yield outlink.transfer(1e6)
+        yield inlink.transfer(1e6)
+        ends.append(env.now)
+
+    env.process(step(0.0))
+    env.process(step(1.0))
+    env.run(until=10)
+    return ends
+
+
+def test_fair_full_duplex_opposite_directions_do_not_slow_each_other():
+    # A: read 0-1 s, gradient 1-2 s while B reads 1-2 s out of the ps, each direction
+    # carrying one transfer at the full rate; B's gradient 2-3 s.
+    assert _staggered(half_duplex=False) == [pytest.approx(2.0), pytest.approx(3.0)]
+
+
+def test_fair_half_duplex_reads_and_gradients_share_one_link():
+    # A: read 0-1 s; A's gradient and B's read share the link 1-3 s; B's gradient 3-4 s.
+    assert _staggered(half_duplex=True) == [pytest.approx(3.0), pytest.approx(4.0)]
+
+
+def test_the_cluster_gives_each_ps_task_one_link_each_way_or_one_for_both():
+    def links(duplex):
+        cluster = simulator.simulation.Cluster(make(
+            2, model=ONE_MB, ps={"contention": True, "count": 2},
+            network={"bandwidth": 1e6, "duplex": duplex, "sharing": "fair"}))
+        return [(s.inlink, s.outlink) for s in cluster.servers]
+
+    full, half = links("full"), links("half")
+    assert all(isinstance(x, Link) and x is not y for x, y in full)
+    assert all(isinstance(x, Link) and x is y for x, y in half)
+    assert len({id(x) for pair in full for x in pair}) == 4
+    queue = simulator.simulation.Cluster(make(2, model=ONE_MB, ps={"contention": True}))
+    assert queue.servers[0].inlink is None
+
+
+def test_fair_sharing_adds_the_ps_service_time_after_the_gradient():
+    scenario = make(1, {"distribution": "constant", "value": 1e-6}, model=ONE_MB,
+                    ps={"contention": True, "service_rate": 2e6},
+                    network={"bandwidth": 1e6, "duplex": "full", "sharing": "fair"},
+                    training={"steps": 50})
+    # 1 s read, 1 s gradient, 0.5 s apply: 2.5 s a step.
+    assert simulator.run(scenario).steps_per_second == pytest.approx(0.4, rel=0.01)
+
+
+def test_sharing_defaults_to_queue_and_is_validated():
+    assert make(1).network.sharing == "queue"
+    assert make(1, network={"sharing": "fair"}).network.sharing == "fair"
+    with pytest.raises(simulator.ScenarioError) as error:
+        make(1, network={"sharing": "round_robin"})
+    assert str(error.value) == (
+        "Invalid value for `network.sharing` in test.toml: expected one of ['fair', "
+        "'queue']. Received: network.sharing='round_robin'")
+    with pytest.raises(simulator.ScenarioError, match="network.sharing=3"):
+        make(1, network={"sharing": 3})

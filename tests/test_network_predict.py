@@ -1,0 +1,50 @@
+"""`benchmarks/network.py predict`: the simulator calibrated on one bench run predicts others.
+
+Pure Python (no bench, no root): the records are synthetic, made by the simulator itself.
+"""
+
+import pytest
+
+from benchmarks import network
+
+MIB = 1 << 20
+VARIABLES = [["dense_1/kernel", MIB, 0], ["dense_1/bias", 2048, 1],
+             ["dense_2/kernel", MIB, 0], ["dense_2/bias", 2048, 1]]
+
+
+def _record(rate, placement, step_time, duplex, sharing):
+    """A bench record whose throughput is the simulator's own, with `duplex` and
+    `sharing` links and no framing."""
+    held = {"round_robin": (2 * MIB, 4096), "greedy": (MIB + 2048, MIB + 2048)}[placement]
+    record = {"mode": "throughput", "rate": "1gbit", "ps_rate": rate, "ps": 2,
+              "placement": placement, "spe": 1, "steps": 10, "variables": VARIABLES,
+              "counters": {f"kps-net-ps-{i}": {"tx_bytes": 10 * b} for i, b in
+                           enumerate(held)}}
+    record["steps_per_s"] = network._simulate(record, step_time, 1.0, duplex, sharing)
+    return record
+
+
+@pytest.mark.parametrize("duplex, sharing, column", [("full", "queue", 1),
+                                                     ("full", "fair", 2)])
+def test_a_model_predicts_its_own_records_from_one_calibration(duplex, sharing, column):
+    records = [_record(rate, placement, 0.02, duplex, sharing)
+               for rate in ("1gbit", "100mbit") for placement in ("greedy", "round_robin")]
+    table = network.predict_table(records, ("1gbit", 2, "greedy", 1))
+    assert "step time" in table and "full duplex, fair" in table
+    lines = table.splitlines()
+    rows = [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in lines if line.startswith(("| 1gbit", "| 100mbit"))]
+    assert len(rows) == 4
+    errors = [row[7 + 2 * column] for row in rows]  # the model's error column
+    assert set(errors) <= {"+0%", "-0%"}, table
+    worst = [cell.strip() for cell in lines[-1].strip("|").split("|")]
+    assert worst[0] == "largest error, other rows" and worst[7 + 2 * column] == "0%"
+    # The records differ between the models, so the others miss some rows.
+    others = {row[7 + 2 * c] for row in rows for c in (0, 1, 2) if c != column}
+    assert others - {"+0%", "-0%"}, table
+
+
+def test_an_unknown_calibration_configuration_is_named():
+    records = [_record("1gbit", "greedy", 0.02, "full", "queue")]
+    with pytest.raises(SystemExit, match="100mbit"):
+        network.predict_table(records, ("100mbit", 2, "greedy", 1))
