@@ -27,9 +27,10 @@ def _tf_config(cluster_dict=None, task_type="chief", index=0):
 
 @pytest.fixture
 def env(monkeypatch):
-    """A clean TF_CONFIG / GRPC_FAIL_FAST environment, restored afterwards."""
-    for name in ("TF_CONFIG", "GRPC_FAIL_FAST", cluster.JOBSET_REPLICAS_ENV, "JOB_COMPLETION_INDEX",
-                 *cluster.JOBSET_ENV):
+    """A clean TF_CONFIG / GRPC_FAIL_FAST / TF_GRPC_DEFAULT_OPTIONS environment, restored
+    afterwards."""
+    for name in ("TF_CONFIG", "GRPC_FAIL_FAST", cluster.GRPC_OPTIONS_ENV,
+                 cluster.JOBSET_REPLICAS_ENV, "JOB_COMPLETION_INDEX", *cluster.JOBSET_ENV):
         monkeypatch.setenv(name, "placeholder")  # recorded, so teardown restores the original
         monkeypatch.delenv(name)
     return monkeypatch
@@ -67,6 +68,47 @@ def test_from_tf_config_keeps_a_grpc_fail_fast_the_user_set(env, no_new_servers)
     env.setenv("GRPC_FAIL_FAST", "true")
     cluster.from_tf_config(_tf_config())
     assert os.environ["GRPC_FAIL_FAST"] == "true"
+
+
+def _grpc_options() -> dict:
+    text = os.environ.get(cluster.GRPC_OPTIONS_ENV, "")
+    return dict(entry.split("=", 1) for entry in text.split(",") if entry)
+
+
+def test_from_tf_config_gives_the_chief_grpc_keepalive(env, no_new_servers):
+    env.setenv("TF_CONFIG", _tf_config())
+    cluster.from_tf_config()
+    options = _grpc_options()
+    assert options["grpc.keepalive_time_ms"] == "1000"
+    assert options["grpc.keepalive_timeout_ms"] == "2000"
+    # No pings on an idle connection, no more than gRPC's default between the chief's
+    # sends: servers end a connection pinged too often ("too_many_pings").
+    assert "grpc.keepalive_permit_without_calls" not in options
+    assert "grpc.http2.max_pings_without_data" not in options
+
+
+def test_from_tf_config_keeps_the_grpc_options_the_user_set(env, no_new_servers):
+    env.setenv(cluster.GRPC_OPTIONS_ENV, "grpc.keepalive_time_ms=30000,grpc.max_metadata_size=9")
+    cluster.from_tf_config(_tf_config())
+    assert os.environ[cluster.GRPC_OPTIONS_ENV] == (
+        "grpc.keepalive_time_ms=30000,grpc.max_metadata_size=9,grpc.keepalive_timeout_ms=2000")
+    cluster.from_tf_config(_tf_config())  # twice: nothing added again
+    assert os.environ[cluster.GRPC_OPTIONS_ENV].count("keepalive_timeout_ms") == 1
+
+
+@pytest.mark.parametrize("task_type", ["worker", "ps"])
+def test_from_tf_config_gives_no_keepalive_to_a_worker_or_ps(env, no_new_servers, task_type):
+    """A worker's keepalive would fail its steps while a ps task's link is cut, where
+    waiting for the link loses nothing."""
+    cluster.from_tf_config(_tf_config(task_type=task_type))
+    assert cluster.GRPC_OPTIONS_ENV not in os.environ
+
+
+def test_grpc_options_merges_without_overriding():
+    assert cluster.grpc_options({"a": "1", "b": "2"}) == "a=1,b=2"
+    assert cluster.grpc_options({"a": "1", "b": "2"}, "") == "a=1,b=2"
+    assert cluster.grpc_options({"a": "1", "b": "2"}, "b=5, c=\"x\"") == "b=5, c=\"x\",a=1"
+    assert cluster.grpc_options({"a": "1"}, "a=7,") == "a=7"
 
 
 @pytest.mark.parametrize("task_type, index", [
@@ -182,6 +224,7 @@ def test_from_tf_config_rejects_bad_environment_before_touching_anything(env, no
     with pytest.raises(ValueError, match=r"Invalid value for `TF_CONFIG`"):
         cluster.from_tf_config()
     assert "GRPC_FAIL_FAST" not in os.environ
+    assert cluster.GRPC_OPTIONS_ENV not in os.environ
 
 
 @pytest.mark.parametrize("value", [None, ""], ids=["unset", "empty"])

@@ -73,6 +73,42 @@ def _enable_fail_fast():
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
 
 
+# The gRPC channel arguments TensorFlow gives every channel of a process, read once, when
+# it creates the process's first channel (`CreateDefaultChannelArguments`).
+GRPC_OPTIONS_ENV = "TF_GRPC_DEFAULT_OPTIONS"
+# The chief's keepalive: while an RPC is in flight on a connection, a ping every second;
+# no answer within 2 s closes the connection and fails its RPCs with UNAVAILABLE, as a
+# killed task's refused connection does. Without it, a task cut off the network (its
+# process alive, the TCP connection open) held a step's RPC until the link came back.
+# The peer's HTTP/2 layer answers pings while the task computes, so a long step is no
+# dead link; pings stop on an idle connection (no `keepalive_permit_without_calls`) and,
+# as gRPC's source reads, after 2 without anything the chief sends
+# (`grpc.http2.max_pings_without_data`'s default): a server ends a connection pinged more
+# than twice within 5 minutes of no sending of its own ("too_many_pings"; its
+# `min_recv_ping_interval_without_data_ms`, which TensorFlow's servers do not expose).
+# A user's `TF_GRPC_DEFAULT_OPTIONS` keeps its values (`grpc_options`).
+CHIEF_GRPC_OPTIONS = {
+    "grpc.keepalive_time_ms": "1000",
+    "grpc.keepalive_timeout_ms": "2000",
+}
+
+
+def grpc_options(options: dict, current: str | None = None) -> str:
+    """`TF_GRPC_DEFAULT_OPTIONS`'s text (`name=value,name=value`) with `options` added to
+    `current`: a name `current` sets keeps its value there."""
+    entries = [entry for entry in (current or "").split(",") if entry.strip()]
+    named = {entry.split("=", 1)[0].strip() for entry in entries}
+    entries += [f"{name}={value}" for name, value in options.items() if name not in named]
+    return ",".join(entries)
+
+
+def _enable_keepalive():
+    # The chief's channels only: a worker's keepalive would fail its steps during a ps
+    # task's link cut, where waiting for the link keeps every step (the ps kept its state).
+    os.environ[GRPC_OPTIONS_ENV] = grpc_options(CHIEF_GRPC_OPTIONS,
+                                                os.environ.get(GRPC_OPTIONS_ENV))
+
+
 def server_config(task_type: str, num_workers: int, tasks_in_process: int = 1):
     """Returns the `ConfigProto` a worker or ps server needs on a small machine.
 
@@ -367,6 +403,8 @@ def from_tf_config(tf_config: str | None = None):
     import tensorflow as tf
 
     _enable_fail_fast()
+    if parsed["task_type"] not in ("worker", "ps"):
+        _enable_keepalive()
     launch_env.install_chief_handler()
     launch_env.name_process(detail=" ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]))
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
