@@ -584,3 +584,40 @@ def stop_coordinator(tf_coordinator, strategy):
     """
     tf_coordinator._cluster.stop()
     strategy._cluster_coordinator = None
+
+
+def gather_rows(variable, present, rows, size, device):
+    """`tf.scatter_nd(present[:, None], tf.gather(variable, rows), [size, dim])`, whose
+    gradient (a `tf.IndexedSlices` of the rows) is made on `device`, the variable's.
+
+    TensorFlow's gradients of `ResourceGather` and `ScatterNd` reshape the row indices and
+    gather the upstream gradient where the tape computes them, the worker: the indices
+    and `present` went from the ps task to the worker at every step, and the indices back
+    with the gradient. Here only the upstream gradient travels, to the ps task.
+
+    Args:
+        variable: a `tf.Variable` (`[n, dim]`) on `device`.
+        present: int64 `[k]`, the positions of the output that get a row.
+        rows: int64 `[k]`, the rows of `variable` they get.
+        size: int64 scalar, rows of the output (the others are zeros).
+        device: the device of `variable` (`None`: the current one).
+    """
+    import tensorflow as tf
+    from tensorflow.python.eager import record
+
+    with record.stop_recording():
+        shape = tf.stack([size, tf.constant(variable.shape.as_list()[1], tf.int64)])
+        vectors = tf.scatter_nd(present[:, None], tf.raw_ops.ResourceGather(
+            resource=variable.handle, indices=rows, dtype=variable.dtype), shape)
+    if variable.trainable:
+        resource_variable_ops.variable_accessed(variable)
+
+    def backward(upstream):
+        with contextlib.ExitStack() as stack:
+            if device is not None:
+                stack.enter_context(tf_ops.device(device))
+            values = tf.gather(upstream, present)
+        return [tf.IndexedSlices(values, rows, tf.constant(variable.shape.as_list(), tf.int64))]
+
+    record.record_operation("KerasPsGatherRows", [vectors], [variable.handle], backward)
+    return vectors
