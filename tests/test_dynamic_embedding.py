@@ -390,35 +390,6 @@ def test_rows_spread_over_the_ps_tasks_by_key_hash(lazy_strategy):
     del model
 
 
-def test_a_training_step_sends_the_worker_only_the_vectors_of_each_ps_task(lazy_strategy):
-    """The rows found and their positions stay on the ps tasks: the rows' gradient is
-    made there (they crossed to the worker and back at every step)."""
-    with lazy_strategy.scope():
-        layer = DynamicEmbedding(4, capacity=64, num_partitions=4, name="crossing")
-        model = id_model(layer)
-        model.optimizer = keras.optimizers.Adagrad(0.1)
-        model.optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def step(ids):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(model(ids, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        model.optimizer.apply(grads, model.trainable_variables)
-
-    graph = step.get_concrete_function(tf.TensorSpec([None, 1], tf.int64)).graph
-    crossing = {}
-    for op in graph.get_operations():
-        for tensor in op.inputs:
-            source, target = tensor.op.device, op.device
-            if "job:ps" in source and "job:ps" not in target and tensor.op.type not in (
-                    "Placeholder", "VarHandleOp"):
-                crossing[tensor.name] = tensor.dtype
-    # One tensor per ps task: its vectors.
-    assert sorted(d.name for d in crossing.values()).count("int64") == 0, crossing
-    assert sorted(d.name for d in crossing.values()).count("float32") == 2, crossing
-
-
 def test_two_workers_inserting_the_same_new_ids_at_once_make_one_row_each(lazy_strategy):
     with lazy_strategy.scope():
         layer = DynamicEmbedding(2, capacity=4096, num_partitions=2)

@@ -423,8 +423,10 @@ class _Shard:
         """The vectors of local `rows` (zeros for -1), gathered on this ps task."""
         with _placed(self.device):
             present = tf.where(rows >= 0)[:, 0]
-            return _tf.gather_rows(self.tf_variable("rows"), present, tf.gather(rows, present),
-                                   tf.size(rows, out_type=tf.int64), self.device)
+            vectors = tf.gather(self.tf_variable("rows"), tf.gather(rows, present))
+            return tf.scatter_nd(present[:, None], vectors,
+                                 tf.stack([tf.size(rows, out_type=tf.int64),
+                                           tf.constant(self.spec.output_dim, tf.int64)]))
 
 
 class _State(variables_lib.ShardedVariable):
