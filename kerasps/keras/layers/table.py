@@ -87,9 +87,9 @@ def rank_within(groups):
     unsorted groups needed a stable sort and a scatter (10 ops more per call, twice per
     lookup).
     """
-    row = tf.expand_dims(groups, 0)  # `tf.searchsorted` adds 8 ops of shapes and reshapes
-    starts = tf.raw_ops.LowerBound(sorted_inputs=row, values=row, out_type=tf.int64)[0]
-    return tf.range(tf.size(groups, out_type=tf.int64), dtype=tf.int64) - starts
+    count = tf.size(groups, out_type=tf.int64)
+    return tf.range(count, dtype=tf.int64) - tf.searchsorted(groups, groups, side="left",
+                                                             out_type=tf.int64)
 
 
 def _scatter_update(variable, indices, updates):
