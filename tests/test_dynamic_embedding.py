@@ -70,6 +70,32 @@ def test_partitions_spread_keys_evenly_and_ps_tasks_hold_runs_of_them():
     np.testing.assert_array_equal(tasks, spec.partition_of(np.arange(1000)) // 15)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, glibc")
+def test_a_tables_constant_optimizer_slots_take_their_size_once():
+    """Adagrad's accumulators of a table are made by one fill: Keras' `Constant` made two
+    tensors of their size, and TensorFlow's CPU allocator kept the one freed (2.0x)."""
+    script = textwrap.dedent("""
+        import ctypes, keras, kerasps
+        def rss():
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * 4096
+        layer = kerasps.layers.DynamicEmbedding(32, capacity=500_000, name="t")
+        layer.build((None, 1))
+        before = rss()
+        optimizer = keras.optimizers.Adagrad(initial_accumulator_value=0.25)
+        optimizer.build(layer.trainable_variables)
+        grown = rss() - before
+        assert float(optimizer.variables[-1].numpy().min()) == 0.25
+        print("RATIO", grown / (500_000 * 32 * 4))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    ratio = float(done.stdout.split("RATIO")[1])
+    assert ratio < 1.3, ratio
+
+
 def test_memory_arithmetic_counts_rows_slots_and_maps():
     spec = tables.TableSpec(capacity=1_000_000, output_dim=16, min_count=2)
     memory = spec.memory_bytes(slots_per_row=1)

@@ -49,6 +49,7 @@ import shutil
 import threading
 import weakref
 
+import keras
 import numpy as np
 import tensorflow as tf
 from keras.src import backend as keras_backend
@@ -274,6 +275,23 @@ def _build_optimizer_for_tables(model):
         return
     if any(hasattr(layer, "_kerasps_renew_resources") for layer in model._flatten_layers()):
         optimizer.build(model.trainable_variables)
+
+
+class _Filled(keras.initializers.Constant):
+    """Keras' `Constant` made by one fill: Keras multiplies a tensor of ones by the value,
+    two tensors the variable's size at once, and TensorFlow's CPU allocator (oneDNN's,
+    on by default) keeps the freed one for the process: Adagrad's accumulators of a
+    table of 1e6 x 32 took 253 MiB of RSS for 122 MiB of slots."""
+
+    @classmethod
+    def of(cls, initializer):
+        if type(initializer) is keras.initializers.Constant:
+            return cls(initializer.value)
+        return initializer
+
+    def __call__(self, shape, dtype=None):
+        dtype = keras.backend.standardize_dtype(dtype or keras.config.floatx())
+        return tf.fill(shape, tf.cast(self.value, dtype))
 
 
 def install(*, trainer, variables, sparse):
@@ -576,6 +594,14 @@ def install(*, trainer, variables, sparse):
     # Optimizer slots -----------------------------------------------------------
     original_from_reference = tf_optimizer.TFOptimizer.add_variable_from_reference
 
+    def _filled_slots(args, kwargs):
+        # A constant slot (Adagrad's accumulators) of a shard made by one fill.
+        if len(args) >= 2:
+            args = (args[0], _Filled.of(args[1]), *args[2:])
+        elif "initializer" in kwargs:
+            kwargs = dict(kwargs, initializer=_Filled.of(kwargs["initializer"]))
+        return args, kwargs
+
     @functools.wraps(original_from_reference)
     def add_variable_from_reference(self, reference_variable, *args, **kwargs):
         if hasattr(reference_variable, "_kerasps_container") and any(
@@ -588,6 +614,8 @@ def install(*, trainer, variables, sparse):
                 f"{reference_variable._kerasps_container.path!r} cannot be restored "
                 "exactly that way. Build the optimizer before restoring: "
                 "`model.optimizer.build(model.trainable_variables)` under `strategy.scope()`.")
+        if hasattr(reference_variable, "_kerasps_container"):
+            args, kwargs = _filled_slots(args, kwargs)
         with kerasps_variables.no_partitioning():
             slot = original_from_reference(self, reference_variable, *args, **kwargs)
         kerasps_variables.track_slot(self, reference_variable, slot)
