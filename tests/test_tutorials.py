@@ -272,8 +272,12 @@ def test_dynamic_tutorial_beats_the_hashed_table_at_equal_memory(dynamic_tutoria
                         text, re.M)}
     sizes = (1_000, 4_000, 16_000)
     assert {(t, r) for t in ("dynamic", "hashed") for r in sizes} <= set(found)
+    # Where rows are scarce (1,000 for ~10x as many live ids) the dynamic table wins
+    # clearly (+0.021 to +0.024 in 3 runs); with rows to spare the two come close (at
+    # 16,000: +0.0055, -0.0013), so there it must only not lose by more than the noise.
+    assert found["dynamic", 1_000] > found["hashed", 1_000] + 0.01, found
     for rows in sizes:
-        assert found["dynamic", rows] > found["hashed", rows], found
+        assert found["dynamic", rows] > found["hashed", rows] - 0.005, found
     # The "within 0.005 AUC of the unbounded table" is a benchmark figure
     # (docs/figures.md); on the tutorial's short asynchronous run the unbounded table's
     # AUC moved by 0.019 between two runs (0.7741 stored, 0.7927 in CI), so the tutorial
