@@ -5,6 +5,7 @@ Root and `ip netns` are needed; without them every test here is skipped with the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -198,29 +199,38 @@ def _cut_mid_fit(tmp_path, kind, index, seconds=5.0):
     """`kind` `index`'s link down for `seconds` mid-`fit` (its process lives on, unreachable) in
     a cluster of 2 workers and 1 ps: the chief's output with the time of each line, its
     exit status, and when the cut began and ended."""
-    from benchmarks.netbench import cluster
-    from tests.launched import RunningJob
     from tests.test_faults import TRAINING_CHIEF
 
     script = tmp_path / "chief.py"
     script.write_text(textwrap.dedent(TRAINING_CHIEF.split('    say("evaluate started")')[0]))
-    with netbench.Bench({"chief": 1, "worker": 2, "ps": 1}, rate="1gbit",
-                        name="tcut") as bench:
+    with _chief_on_bench(tmp_path, script, "tcut") as (bench, chief):
+        chief.wait_for(r"^train batch 80$")
+        cut = time.time()
+        bench.cut(kind, index, seconds=seconds)
+        restored = time.time()
+        chief.wait_for(r"^reexecuted (\d+)")
+        status = chief.finish()
+    return chief, status, cut, restored
+
+
+@contextlib.contextmanager
+def _chief_on_bench(tmp_path, script, name):
+    """A bench of 1 chief, 2 workers and 1 ps on 1 Gbit/s links, the servers started and
+    `script` running as the chief: yields the bench and the chief's `RunningJob`; checks
+    that nothing of the bench is left afterwards."""
+    from benchmarks.netbench import cluster
+    from tests.launched import RunningJob
+
+    with netbench.Bench({"chief": 1, "worker": 2, "ps": 1}, rate="1gbit", name=name) as bench:
         cluster.start_servers(bench)
         chief = RunningJob(bench.command("chief", 0, [sys.executable, str(script)]),
                            cwd=tmp_path,
                            env=cluster.environment({"TF_CONFIG": bench.tf_config("chief", 0)}))
         try:
-            chief.wait_for(r"^train batch 80$")
-            cut = time.time()
-            bench.cut(kind, index, seconds=seconds)
-            restored = time.time()
-            chief.wait_for(r"^reexecuted (\d+)")
-            status = chief.finish()
+            yield bench, chief
         finally:
             chief.close()
-    assert netbench.leftovers("tcut") == []
-    return chief, status, cut, restored
+    assert netbench.leftovers(name) == []
 
 
 @pytest.fixture(scope="module")
@@ -294,8 +304,6 @@ def test_a_long_step_is_no_dead_link(tmp_path):
     "too_many_pings". This passed as well with `grpc.http2.max_pings_without_data=0`, the
     chief's pings unlimited, so it shows no such ending at these figures rather than what
     the default limit of 2 pings prevents.)"""
-    from benchmarks.netbench import cluster
-    from tests.launched import RunningJob
     from tests.test_faults import CHIEF_SETUP
 
     script = tmp_path / "chief.py"
@@ -314,18 +322,9 @@ def test_a_long_step_is_no_dead_link(tmp_path):
     say("iterations", int(model.optimizer.iterations.numpy()))
     say("reexecuted", sum(history.history["reexecuted_steps"]))
 """))
-    with netbench.Bench({"chief": 1, "worker": 2, "ps": 1}, rate="1gbit",
-                        name="tlong") as bench:
-        cluster.start_servers(bench)
-        chief = RunningJob(bench.command("chief", 0, [sys.executable, str(script)]),
-                           cwd=tmp_path,
-                           env=cluster.environment({"TF_CONFIG": bench.tf_config("chief", 0)}))
-        try:
-            status = chief.finish()
-        finally:
-            chief.close()
+    with _chief_on_bench(tmp_path, script, "tlong") as (_, chief):
+        status = chief.finish()
     assert status == 0, chief.output()
     assert float(chief.wait_for(r"^fit seconds (\S+)").group(1)) >= 12, chief.output()
     assert int(chief.wait_for(r"^iterations (\d+)").group(1)) == 4
     assert int(chief.wait_for(r"^reexecuted (\d+)").group(1)) == 0
-    assert netbench.leftovers("tlong") == []
