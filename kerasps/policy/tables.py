@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import numbers
 
 import numpy as np
@@ -83,6 +82,11 @@ KEY, LAST_SEEN, COUNT = range(3)
 STAT_COLUMNS = ("clock", "lookups", "hits", "admitted", "evicted", "sketch_additions",
                 "reads", "read_hits")
 CLOCK, LOOKUPS, HITS, ADMITTED, EVICTED, SKETCH_ADDITIONS, READS, READ_HITS = range(8)
+# A key of a map (TensorFlow's `MutableHashTable`, a `std::unordered_map`): its
+# node as glibc allocates it (next pointer, key, value: 24 bytes in a 32-byte
+# chunk), and one bucket pointer per bucket (measured: 43.6 bytes a key, 1e6 keys).
+MAP_NODE_BYTES = 32
+MAP_BUCKET_BYTES = 8
 
 
 def mix64(keys) -> np.ndarray:
@@ -231,18 +235,18 @@ class TableSpec:
             slots_per_row: optimizer slots per row (Adagrad 1, Adam 2, Ftrl 2).
             float_bytes: bytes per float of the rows.
 
-        The maps are TensorFlow's `MutableHashTable` (an `absl::flat_hash_map`
-        of int64 -> int64: 16 bytes per entry and a control byte, at most 7/8
-        full, growing by doubling), counted full and at their largest.
+        The maps are TensorFlow's `MutableHashTable`, a `std::unordered_map` of
+        int64 -> int64: a node per key (24 bytes, 32 as glibc allocates it) and a
+        bucket pointer per bucket, at most one key per bucket and growing by
+        doubling (8 to 16 bytes a key): counted at their largest.
         """
         rows = self.capacity * self.output_dim * float_bytes
         depth, width = self.sketch_shape
-        buckets = 1 << math.ceil(math.log2(max(2, self.capacity / 0.875)))
         parts = {
             "rows": rows,
             "slots": rows * slots_per_row,
             "state": self.capacity * len(STATE_COLUMNS) * 8,
-            "maps": buckets * 17,
+            "maps": self.capacity * (MAP_NODE_BYTES + 2 * MAP_BUCKET_BYTES),
             "free_rows": self.capacity * 8,
             "sketch": self.num_partitions * depth * width * 4 if self.counts_occurrences else 0,
             "stats": self.num_partitions * len(STAT_COLUMNS) * 8,
