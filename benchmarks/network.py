@@ -14,11 +14,12 @@ gradient sent, plus the dense weights read and their gradients sent.
 
 `throughput` (issue 21 part 3): worker-steps/s of an unbalanced dense model (one
 1024x1024 kernel beside smaller ones, so that round_robin puts most bytes on one ps) at
-a given ps link rate, against the simulator's prediction.
+a given ps link rate and number of workers, against the simulator's prediction.
 
     sudo python benchmarks/network.py bytes                       # 4 optimizers, ~4 min
     sudo python benchmarks/network.py bytes --optimizers sgd --steps 50
     sudo python benchmarks/network.py throughput --ps-rate 100mbit --ps 2
+    sudo python benchmarks/network.py throughput --ps-rate 100mbit --workers 4 --spes 1
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from benchmarks.netbench import cluster as netbench_cluster  # noqa: E402
 
 PORT = netbench_cluster.PORT
 RESULT = "NETWORK_RESULT "
-NUM_WORKERS = 2
+NUM_WORKERS = 2  # unless --workers says otherwise
 BENCH_NAME = "net"
 
 
@@ -133,7 +134,9 @@ def chief_throughput(args, spaces):
 
 # -- the simulator's prediction ---------------------------------------------------------------
 def _config(record):
-    return (record["ps_rate"] or record["rate"], record["ps"], record["placement"], record["spe"])
+    """(ps link rate, ps tasks, placement, steps_per_execution, workers) of a record."""
+    return (record["ps_rate"] or record["rate"], record["ps"], record["placement"], record["spe"],
+            record.get("workers", NUM_WORKERS))
 
 
 # The link models compared: (name, `[network] duplex`, `[network] sharing`).
@@ -143,7 +146,7 @@ MODELS = (("half duplex", "half", "queue"), ("full duplex", "full", "queue"),
 
 def _scenario(record, step_time, overhead, duplex, sharing="queue"):
     """The simulator's scenario of `record`'s run: its variables (as the placement report
-    names them, in creation order) placed by the same policy, 2 workers of constant step
+    names them, in creation order) placed by the same policy, its workers of constant step
     time, ps links of the record's rate less the framing `overhead` (wire / variable bytes),
     ps contention, no latency, the link model `duplex` and `sharing`."""
     import simulator
@@ -151,7 +154,7 @@ def _scenario(record, step_time, overhead, duplex, sharing="queue"):
     bandwidth = netbench.parse_rate(record["ps_rate"] or record["rate"]) / 8 / overhead
     return simulator.Scenario.from_dict({
         "name": "netbench", "seed": 0,
-        "workers": {"count": NUM_WORKERS,
+        "workers": {"count": record.get("workers", NUM_WORKERS),
                     "step_time": {"distribution": "constant", "value": step_time}},
         "ps": {"count": record["ps"], "contention": True},
         "network": {"bandwidth": bandwidth, "latency": 0.0, "duplex": duplex,
@@ -200,13 +203,14 @@ def _merged(records):
         rates = [r["steps_per_s"] for r in runs]
         merged.append({**runs[0], "runs": rates, "steps_per_s": statistics.median(rates)})
     return sorted(merged, key=lambda r: (-netbench.parse_rate(r["ps_rate"] or r["rate"]),
-                                         r["ps"], r["placement"], r["spe"]))
+                                         r["ps"], r["placement"], r["spe"],
+                                         r.get("workers", NUM_WORKERS)))
 
 
 def predict_table(records, calibration, models=MODELS):
     """A markdown table of `records`' measured throughput beside the simulator's, for each
     link model of `models`, calibrated on the configuration `calibration` (ps link rate,
-    ps tasks, placement, steps_per_execution); the last row: each model's largest error
+    ps tasks, placement, steps_per_execution, workers); the last row: each model's largest error
     over the rows other than the calibration's."""
     records = _merged(records)
     base = [r for r in records if _config(r) == calibration]
@@ -216,12 +220,13 @@ def predict_table(records, calibration, models=MODELS):
     fits = {name: calibrate(base[0], duplex, sharing) for name, duplex, sharing in models}
     steps = " / ".join(f"{fits[name][0] * 1000:.1f} ms ({name})" for name, _, _ in models)
     lines = [f"Calibrated on {calibration[0]}, {calibration[1]} ps, {calibration[2]}, "
-             f"spe {calibration[3]}: framing overhead {fits[models[0][0]][1]:.3f}, "
+             f"spe {calibration[3]}, {calibration[4]} workers: framing overhead {fits[models[0][0]][1]:.3f}, "
              f"step time {steps}.", "",
-             "| ps link | ps tasks | placement | spe | bytes out of the busiest ps KiB/step "
+             "| ps link | ps tasks | workers | placement | spe "
+             "| bytes out of the busiest ps KiB/step "
              "| measured steps/s (runs) | "
              + " | ".join(f"simulator, {name} | error" for name, _, _ in models) + " |",
-             "|---|---:|---|---:|---:|---:|" + "---:|---:|" * len(models)]
+             "|---|---:|---:|---|---:|---:|---:|" + "---:|---:|" * len(models)]
     worst = dict.fromkeys(fits, 0.0)
     for r in records:
         busiest = max(c["tx_bytes"] for ns, c in r["counters"].items() if "-ps-" in ns)
@@ -235,10 +240,11 @@ def predict_table(records, calibration, models=MODELS):
             cells.append(f"{predicted:.2f} | {error:+.0%}")
         mark = " (calibration)" if _config(r) == calibration else ""
         runs = ", ".join(f"{x:.2f}" for x in r["runs"])
-        lines.append(f"| {r['ps_rate'] or r['rate']} | {r['ps']} | {r['placement']}{mark} "
+        lines.append(f"| {r['ps_rate'] or r['rate']} | {r['ps']} "
+                     f"| {r.get('workers', NUM_WORKERS)} | {r['placement']}{mark} "
                      f"| {r['spe']} | {busiest / r['steps'] / 1024:.0f} "
                      f"| {r['steps_per_s']:.2f} ({runs}) | {' | '.join(cells)} |")
-    lines.append("| largest error, other rows | | | | | | "
+    lines.append("| largest error, other rows | | | | | | | "
                  + " | ".join(f" | {worst[name]:.0%}" for name, _, _ in models) + " |")
     for name, duplex, sharing in models:
         step_time, overhead = fits[name]
@@ -254,7 +260,7 @@ def predict_table(records, calibration, models=MODELS):
 def run_cluster(args, chief_args, num_ps, rate, rates=None, during=None):
     """Brings the bench up, starts the servers and the chief; returns the chief's records."""
     env = netbench_cluster.environment()
-    tasks = {"chief": 1, "worker": NUM_WORKERS, "ps": num_ps}
+    tasks = {"chief": 1, "worker": args.workers, "ps": num_ps}
     sysctls = dict(item.split("=", 1) for item in args.sysctl)
     with netbench.Bench(tasks, rate=rate, rates=rates, name=BENCH_NAME,
                         sysctls=sysctls) as bench:
@@ -344,6 +350,7 @@ def main(argv=None):
     parser.add_argument("--rate", default="1gbit", help="every link's rate")
     parser.add_argument("--ps-rate", default=None, help="the ps links' rate (throughput)")
     parser.add_argument("--ps", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=NUM_WORKERS, help="throughput")
     parser.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
                         help="a sysctl set in every task's namespace (repeatable)")
     parser.add_argument("--placements", nargs="+", default=["round_robin", "greedy"])
@@ -354,7 +361,7 @@ def main(argv=None):
                         "with predict, the throughput records to read")
     parser.add_argument("--calibrate", default="1gbit,2,greedy,1",
                         help="predict: the configuration the simulator is calibrated on "
-                        "(ps link rate, ps tasks, placement, steps_per_execution)")
+                        "(ps link rate, ps tasks, placement, steps_per_execution[, workers])")
     args = parser.parse_args(argv)
     args.steps = args.steps or (200 if args.mode == "bytes" else 60)
 
@@ -363,8 +370,9 @@ def main(argv=None):
         for path in args.json.split(","):
             with open(path) as f:
                 records += [r for r in map(json.loads, f) if r["mode"] == "throughput"]
-        rate, num_ps, placement, spe = args.calibrate.split(",")
-        print(predict_table(records, (rate, int(num_ps), placement, int(spe))))
+        rate, num_ps, placement, spe, *workers = args.calibrate.split(",")
+        print(predict_table(records, (rate, int(num_ps), placement, int(spe),
+                                      int(workers[0]) if workers else NUM_WORKERS)))
         return 0
     if args.chief:
         spaces = json.loads(os.environ["NETBENCH_SPACES"])
@@ -379,12 +387,12 @@ def main(argv=None):
         chief_args = [a for a in chief_args if a != args.json]
     num_ps = 2 if args.mode == "bytes" else args.ps
     rates = {"ps": args.ps_rate} if args.ps_rate else None
-    print(f"# network.py {args.mode}: {NUM_WORKERS} workers, {num_ps} ps, links {args.rate}"
+    print(f"# network.py {args.mode}: {args.workers} workers, {num_ps} ps, links {args.rate}"
           + (f", ps links {args.ps_rate}" if args.ps_rate else "")
           + f"; load average {os.getloadavg()[0]:.1f}", flush=True)
     records = run_cluster(args, chief_args, num_ps, args.rate, rates)
     for r in records:
-        r.update(rate=args.rate, ps_rate=args.ps_rate, ps=num_ps,
+        r.update(rate=args.rate, ps_rate=args.ps_rate, ps=num_ps, workers=args.workers,
                  load_after=os.getloadavg()[0])
     if args.mode == "bytes":
         print(bytes_table(records))

@@ -12,12 +12,13 @@ VARIABLES = [["dense_1/kernel", MIB, 0], ["dense_1/bias", 2048, 1],
              ["dense_2/kernel", MIB, 0], ["dense_2/bias", 2048, 1]]
 
 
-def _record(rate, placement, step_time, duplex, sharing):
-    """A bench record whose throughput is the simulator's own, with `duplex` and
-    `sharing` links and no framing."""
+def _record(rate, placement, step_time, duplex, sharing, workers=2):
+    """A bench record of `workers` workers whose throughput is the simulator's own, with
+    `duplex` and `sharing` links and no framing."""
     held = {"round_robin": (2 * MIB, 4096), "greedy": (MIB + 2048, MIB + 2048)}[placement]
     record = {"mode": "throughput", "rate": "1gbit", "ps_rate": rate, "ps": 2,
               "placement": placement, "spe": 1, "steps": 10, "variables": VARIABLES,
+              "workers": workers,
               "counters": {f"kps-net-ps-{i}": {"tx_bytes": 10 * b} for i, b in
                            enumerate(held)}}
     record["steps_per_s"] = network._simulate(record, step_time, 1.0, duplex, sharing)
@@ -29,22 +30,37 @@ def _record(rate, placement, step_time, duplex, sharing):
 def test_a_model_predicts_its_own_records_from_one_calibration(duplex, sharing, column):
     records = [_record(rate, placement, 0.02, duplex, sharing)
                for rate in ("1gbit", "100mbit") for placement in ("greedy", "round_robin")]
-    table = network.predict_table(records, ("1gbit", 2, "greedy", 1))
+    table = network.predict_table(records, ("1gbit", 2, "greedy", 1, 2))
     assert "step time" in table and "full duplex, fair" in table
     lines = table.splitlines()
     rows = [[cell.strip() for cell in line.strip("|").split("|")]
             for line in lines if line.startswith(("| 1gbit", "| 100mbit"))]
     assert len(rows) == 4
-    errors = [row[7 + 2 * column] for row in rows]  # the model's error column
+    errors = [row[8 + 2 * column] for row in rows]  # the model's error column
     assert set(errors) <= {"+0%", "-0%"}, table
     worst = [cell.strip() for cell in lines[-1].strip("|").split("|")]
-    assert worst[0] == "largest error, other rows" and worst[7 + 2 * column] == "0%"
+    assert worst[0] == "largest error, other rows" and worst[8 + 2 * column] == "0%"
     # The records differ between the models, so the others miss some rows.
-    others = {row[7 + 2 * c] for row in rows for c in (0, 1, 2) if c != column}
+    others = {row[8 + 2 * c] for row in rows for c in (0, 1, 2) if c != column}
     assert others - {"+0%", "-0%"}, table
 
 
 def test_an_unknown_calibration_configuration_is_named():
     records = [_record("1gbit", "greedy", 0.02, "full", "queue")]
     with pytest.raises(SystemExit, match="100mbit"):
-        network.predict_table(records, ("100mbit", 2, "greedy", 1))
+        network.predict_table(records, ("100mbit", 2, "greedy", 1, 2))
+
+
+def test_more_workers_on_a_saturated_ps_link_are_predicted_from_a_two_worker_run():
+    """The workers' count is part of a configuration: a 2-worker calibration predicts the
+    1- and 4-worker runs of the same model exactly, and a saturated link's throughput no
+    longer grows with workers."""
+    records = [_record("100mbit", "round_robin", 0.02, "full", "fair", workers=w)
+               for w in (1, 2, 4)]
+    assert records[2]["steps_per_s"] < 1.2 * records[1]["steps_per_s"]  # the link is full
+    assert records[0]["steps_per_s"] < records[1]["steps_per_s"]
+    table = network.predict_table(records, ("100mbit", 2, "round_robin", 1, 2))
+    rows = [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in table.splitlines() if line.startswith("| 100mbit")]
+    assert [row[2] for row in rows] == ["1", "2", "4"]
+    assert {row[8 + 2 * 2] for row in rows} <= {"+0%", "-0%"}, table
