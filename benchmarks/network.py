@@ -20,6 +20,11 @@ a given ps link rate and number of workers, against the simulator's prediction.
     sudo python benchmarks/network.py bytes --optimizers sgd --steps 50
     sudo python benchmarks/network.py throughput --ps-rate 100mbit --ps 2
     sudo python benchmarks/network.py throughput --ps-rate 100mbit --workers 4 --spes 1
+    sudo python benchmarks/network.py link --ps-rate 100mbit       # plain TCP, 1/2/4 flows
+
+`link`: the rate plain TCP flows (`benchmarks.netbench.transfer`, 12.5 MB each) reach out
+of one ps task's rate-limited link to 1, 2 and 4 workers at once, with no training: what
+the link itself gives, beside what `throughput` gets through it.
 """
 
 from __future__ import annotations
@@ -132,6 +137,48 @@ def chief_throughput(args, spaces):
                               for r in strategy.placement_report()]}), flush=True)
 
 
+# -- plain TCP through a ps link ---------------------------------------------------------------
+LINK_BYTES = 12_500_000
+LINK_PORT = 5001
+
+
+def link_rates(ps_rate, flows=(1, 2, 4), repeats=2):
+    """Aggregate and per-flow rates (bits/s) of `flows` TCP transfers at once out of one ps
+    task's link of `ps_rate` (workers' links at 1 Gbit/s); one record per run."""
+    records = []
+    for count in flows:
+        for _ in range(repeats):
+            with netbench.Bench({"worker": count, "ps": 1}, rate="1gbit",
+                                rates={"ps": ps_rate}, name=BENCH_NAME) as bench:
+                command = [sys.executable, "-m", "benchmarks.netbench.transfer"]
+                receivers = [bench.popen("worker", i, [*command, "recv", "--port", str(LINK_PORT),
+                                                      "--bytes", str(LINK_BYTES)],
+                                         stdout=subprocess.PIPE, text=True, cwd=ROOT)
+                             for i in range(count)]
+                for receiver in receivers:
+                    if receiver.stdout.readline().strip() != "listening":
+                        raise RuntimeError("a receiver did not start")
+                start = time.perf_counter()
+                senders = [bench.popen("ps", 0, [*command, "send", "--host",
+                                                 bench.address("worker", i), "--port",
+                                                 str(LINK_PORT), "--bytes", str(LINK_BYTES)],
+                                       stdout=subprocess.DEVNULL, cwd=ROOT)
+                           for i in range(count)]
+                for process in senders + receivers:
+                    process.wait(timeout=120)
+                seconds = time.perf_counter() - start
+                results = [json.loads(r.stdout.read().strip().splitlines()[-1])
+                           for r in receivers]
+            records.append({"mode": "link", "ps_rate": ps_rate, "flows": count,
+                            "aggregate_bits_per_s": count * LINK_BYTES * 8 / seconds,
+                            "flow_bits_per_s": [r["bytes"] * 8 / r["seconds"] for r in results]})
+            print(f"  {count} flow(s): {records[-1]['aggregate_bits_per_s'] / 1e6:.1f} Mbit/s "
+                  "together (connection set-up included), each "
+                  + ", ".join(f"{x / 1e6:.1f}" for x in records[-1]["flow_bits_per_s"]),
+                  flush=True)
+    return records
+
+
 # -- the simulator's prediction ---------------------------------------------------------------
 def _config(record):
     """(ps link rate, ps tasks, placement, steps_per_execution, workers) of a record."""
@@ -220,7 +267,8 @@ def predict_table(records, calibration, models=MODELS):
     fits = {name: calibrate(base[0], duplex, sharing) for name, duplex, sharing in models}
     steps = " / ".join(f"{fits[name][0] * 1000:.1f} ms ({name})" for name, _, _ in models)
     lines = [f"Calibrated on {calibration[0]}, {calibration[1]} ps, {calibration[2]}, "
-             f"spe {calibration[3]}, {calibration[4]} workers: framing overhead {fits[models[0][0]][1]:.3f}, "
+             f"spe {calibration[3]}, {calibration[4]} workers: "
+             f"framing overhead {fits[models[0][0]][1]:.3f}, "
              f"step time {steps}.", "",
              "| ps link | ps tasks | workers | placement | spe "
              "| bytes out of the busiest ps KiB/step "
@@ -339,7 +387,7 @@ def bytes_table(records):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("bytes", "throughput", "predict"))
+    parser.add_argument("mode", choices=("bytes", "throughput", "predict", "link"))
     parser.add_argument("--chief", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--optimizers", nargs="+",
                         default=["sgd", "adagrad", "adam", "lazy_adam"])
@@ -382,6 +430,14 @@ def main(argv=None):
     if reason:
         print(f"network.py: {reason}", file=sys.stderr)
         return 2
+    if args.mode == "link":
+        print(f"# network.py link: plain TCP out of a ps link of {args.ps_rate or args.rate}; "
+              f"load average {os.getloadavg()[0]:.1f}", flush=True)
+        records = link_rates(args.ps_rate or args.rate)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+        return 0
     chief_args = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--json"]
     if args.json:
         chief_args = [a for a in chief_args if a != args.json]
