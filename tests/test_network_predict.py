@@ -3,6 +3,9 @@
 Pure Python (no bench, no root): the records are synthetic, made by the simulator itself.
 """
 
+import json
+import os
+
 import pytest
 
 from benchmarks import network
@@ -64,3 +67,18 @@ def test_more_workers_on_a_saturated_ps_link_are_predicted_from_a_two_worker_run
             for line in table.splitlines() if line.startswith("| 100mbit")]
     assert [row[2] for row in rows] == ["1", "2", "4"]
     assert {row[8 + 2 * 2] for row in rows} <= {"+0%", "-0%"}, table
+
+
+def test_the_committed_bench_records_make_the_published_prediction_tables():
+    """`benchmarks/records` holds the runs behind docs/figures.md: `predict` reads them
+    without root, calibrates on the named run and lists every configuration."""
+    path = os.path.join(os.path.dirname(network.__file__), "records",
+                        "network_throughput_2026-11-25.jsonl")
+    with open(path) as f:
+        records = [r for r in map(json.loads, f) if r["mode"] == "throughput"]
+    table = network.predict_table(records, ("1gbit", 2, "greedy", 1, 2))
+    rows = [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in table.splitlines() if line.startswith(("| 1gbit", "| 100mbit"))]
+    assert sorted({row[2] for row in rows}) == ["1", "2", "3", "4"]  # workers
+    calibration = [row for row in rows if "(calibration)" in row[3]]
+    assert len(calibration) == 1 and calibration[0][8] in {"+0%", "-0%"}, table
