@@ -548,6 +548,23 @@ def test_the_standby_runs_a_script_as_python_does_in_the_tasks_environment(tmp_p
         "config": env["TF_CONFIG"], "stdin": "", "gpus": "3"}
 
 
+def test_the_standby_runs_a_module_as_python_m_does(tmp_path):
+    package = tmp_path / "kps_job"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "chief.py").write_text(textwrap.dedent(STANDBY_SCRIPT))
+    env = {**os.environ, "TF_CONFIG": '{"task": {"type": "chief"}}'}
+    task = json.dumps({"argv": ["-m", "kps_job.chief", "5"], "env": env})
+    result = subprocess.run([sys.executable, "-m", "kerasps.standby"], input=task + "\n",
+                            capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert result.returncode == 5, result.stderr[-3000:]
+    here = os.path.realpath(tmp_path)
+    assert json.loads(result.stdout.splitlines()[-1]) == {
+        "name": "__main__", "argv": [os.path.join(here, "kps_job", "chief.py"), "5"],
+        "path": here, "config": env["TF_CONFIG"], "stdin": "",
+        "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
 ELASTIC_FAILING_CHIEF = """
     import os, time
     from kerasps import launch

@@ -18,7 +18,7 @@ from kerasps import cluster as cluster_lib
 from kerasps import console as console_lib
 from kerasps import launch
 from kerasps.restarts import Action, RestartPolicy, describe_exit
-from tests.launched import DEADLINE, process_gone, wait_until
+from tests.launched import DEADLINE, RunningJob, process_gone, wait_until
 from tests.launched import launch as launch_job
 
 
@@ -65,7 +65,8 @@ def test_exit_descriptions_name_signals_and_codes():
     (dict(max_restarts=-1), "max_restarts"), (dict(workers=0), "workers"),
     (dict(ps=1.5), "ps"), (dict(gpus_per_worker=0), "gpus_per_worker"),
     (dict(program=()), "program"), (dict(evaluator=1), "evaluator"),
-    (dict(min_workers=0), "min_workers"), (dict(workers=2, min_workers=3), "min_workers")])
+    (dict(min_workers=0), "min_workers"), (dict(workers=2, min_workers=3), "min_workers"),
+    (dict(program=("-m",)), "program"), (dict(program=("-m", "", "--lr")), "program")])
 def test_bad_launch_specs_are_refused_naming_the_argument(kwargs, name):
     arguments = {"program": ("train.py",), **kwargs}
     with pytest.raises(ValueError, match=rf"argument `{name}`.*Received: {name}="):
@@ -107,6 +108,20 @@ def test_the_evaluator_runs_the_program_outside_the_cluster_it_is_told_about():
     (["launch", "--gpus-per-worker", "x", "train.py"],
      "Invalid value for argument `--gpus-per-worker`: it must be a positive integer. "
      "Received: --gpus-per-worker='x'"),
+    (["launch", "--ps", "1", "-m"],
+     "Invalid value for argument `-m`: the module to run is required (kerasps launch [options] "
+     "-m package.module [args]). Received: -m=None"),
+    (["launch", "-m", "--workers", "2", "kps_job.train"],
+     "Invalid value for argument `-m`: expected a module's name; the options of kerasps launch "
+     "go before -m (everything after the module's name is its own). Received: -m='--workers'"),
+    (["launch", "-mkps_job.train", "train.py"],
+     "Invalid value for argument `-m`: a script and a module cannot both be given; write -m "
+     "apart from the module's name (kerasps launch [options] -m package.module [args]). "
+     "Received: -m='kps_job.train' and program=['train.py']"),
+    (["launch", "-m", "kps_nosuch.train", "--lr", "1"],
+     "Invalid value for argument `-m`: the chief's module 'kps_nosuch.train' cannot be run (no "
+     "module named 'kps_nosuch' in the current directory or on sys.path). "
+     "Received: -m='kps_nosuch.train'"),
 ])
 def test_launch_command_line_errors(argv, message, tmp_path):
     (tmp_path / "train.py").write_text("")
@@ -128,6 +143,33 @@ def test_a_program_that_cannot_run_is_refused_before_any_task_starts(tmp_path, p
     with pytest.raises(ValueError, match=r"argument `program`.*no such file"):
         launch.Launcher(launch.LaunchSpec(program=(str(tmp_path / "x.py"),)),
                         pick_port=iter(range(5000, 5100)).__next__).run()
+
+
+def test_a_module_is_checked_as_python_m_finds_it_without_running_its_packages(tmp_path,
+                                                                              monkeypatch):
+    package = tmp_path / "kps_job"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise RuntimeError('the launcher ran __init__')")
+    (package / "train.py").write_text("")
+    (tmp_path / "kps_plain.py").write_text("")
+    monkeypatch.chdir(tmp_path)  # found from the current directory, as `python -m` finds it
+    launch.check_program(("-m", "kps_job.train", "--lr", "1"))
+    launch.check_program(("-m", "json.tool"))  # on sys.path
+    assert "kps_job" not in sys.modules
+    for module, problem in [
+            ("kps_job.nosuch", "no module named 'kps_job.nosuch' in package 'kps_job'"),
+            ("kps_nosuch.train",
+             "no module named 'kps_nosuch' in the current directory or on sys.path"),
+            ("kps_job", "a package without __main__"),
+            ("kps_plain.train", "'kps_plain' is not a package"),
+            (".train", "not a module name")]:
+        with pytest.raises(ValueError, match=re.escape(
+                f"Invalid value for argument `program`: the chief's module {module!r} cannot be "
+                f"run ({problem}")) as refused:
+            launch.check_program(("-m", module, "--lr", "1"))
+        assert str(refused.value).endswith(f"Received: program=('-m', {module!r})")
+    (package / "__main__.py").write_text("")
+    launch.check_program(("-m", "kps_job"))  # a package runs its __main__
 
 
 def test_request_workers_outside_an_elastic_launch_says_what_it_needs(monkeypatch):
@@ -391,6 +433,45 @@ def test_a_launched_jobs_output_in_a_file_has_complete_lines_only(tmp_path):
     bars = [line for line in plain if "/3 " in line]
     assert len(bars) == 1 and re.match(r"\[chief 0\] 3/3 \S+ .*loss: 0\.\d+$", bars[0]), plain
     assert not [line for line in plain if NOISE.search(line) or "\r" in line], job.output()
+
+
+# A module chief that says how Python ran it, failing its first run: the restart runs it in
+# the warm standby.
+MODULE_CHIEF = """
+    import json, os, sys
+    import setproctitle
+    import kerasps
+
+    kerasps.cluster.from_tf_config()  # names the process
+    first = not os.path.exists("started")
+    open("started", "w").close()
+    print("ran", json.dumps({"name": __name__, "argv": sys.argv, "path": sys.path[0],
+                             "title": setproctitle.getproctitle()}), flush=True)
+    raise SystemExit(3 if first else 0)
+"""
+
+
+@pytest.mark.slow
+def test_a_module_chief_runs_as_python_m_runs_it_cold_and_in_the_warm_standby(tmp_path):
+    package = tmp_path / "kps_job"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "chief.py").write_text(textwrap.dedent(MODULE_CHIEF))
+    job = RunningJob([sys.executable, "-m", "kerasps.cli", "launch", "--workers", "1",
+                      "--max-restarts", "1", "-m", "kps_job.chief", "--lr", "0.1"], cwd=tmp_path)
+    try:
+        assert job.finish() == 0, job.output()
+    finally:
+        job.close()
+    runs = [json.loads(line.split(" ran ", 1)[1]) for line in job.lines
+            if line.startswith("[chief 0] ran ")]
+    here = os.path.realpath(tmp_path)
+    expected = {"name": "__main__", "argv": [os.path.join(here, "kps_job", "chief.py"), "--lr",
+                                             "0.1"],
+                "path": here, "title": "kerasps: chief 0 -m kps_job.chief --lr 0.1"}
+    assert runs == [expected, expected], job.output()
+    started = [line for line in job.lines if line.startswith("[launcher] started chief 0")]
+    assert started[1].endswith(" in the warm standby"), job.output()
 
 
 # A chief in `fit` that says when it was interrupted.

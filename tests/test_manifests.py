@@ -370,3 +370,23 @@ def test_emit_writes_a_jobset_and_a_tfjob_and_runs_nothing(tmp_path):
     job = yaml.safe_load((tmp_path / "my-train.tfjob.yaml").read_text())
     assert job["spec"]["tfReplicaSpecs"]["Worker"]["replicas"] == 2
     assert "Evaluator" not in job["spec"]["tfReplicaSpecs"]
+
+
+def test_emit_runs_a_module_as_python_m_and_names_the_job_after_its_last_component(tmp_path):
+    result = emit(tmp_path / "out", "--evaluator", "-m", "trainer.main", "--lr", "0.1",
+                  cwd=tmp_path)
+    assert "warning" not in result.stderr  # no script path to rewrite
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["main.jobset.yaml",
+                                                                   "main.tfjob.yaml"]
+    command = ["python", "-m", "trainer.main", "--lr", "0.1"]
+    jobset = yaml.safe_load((tmp_path / "out" / "main.jobset.yaml").read_text())
+    assert crd_errors(jobset, "jobset-v0.8.0") == []
+    containers = {r["name"]: r["template"]["spec"]["template"]["spec"]["containers"][0]
+                  for r in jobset["spec"]["replicatedJobs"]}
+    assert containers["chief"]["command"] == containers["evaluator"]["command"] == command
+    assert containers["worker"]["command"] == ["kerasps", "serve"]
+    tfjob = yaml.safe_load((tmp_path / "out" / "main.tfjob.yaml").read_text())
+    assert crd_errors(tfjob, "tfjob-v1.9.0") == []
+    replicas = tfjob["spec"]["tfReplicaSpecs"]
+    assert [replicas[k]["template"]["spec"]["containers"][0]["command"]
+            for k in ("Chief", "Evaluator")] == [command, command]

@@ -4,7 +4,7 @@
     kerasps serve            # run this worker/ps task of the cluster in $TF_CONFIG
     kerasps launch [--workers N|MIN:MAX] [--ps N] [--max-restarts K] [--gpus-per-worker G]
                    [--evaluator] [--emit k8s --image IMAGE [--name NAME] [--output-dir DIR]]
-                   script.py [args ...]
+                   (script.py | -m package.module) [args ...]
     kerasps --version
 """
 
@@ -76,9 +76,12 @@ def parser() -> argparse.ArgumentParser:
                     "until killed. The chief runs the training program with "
                     "kerasps.cluster.from_tf_config().")
     launch = commands.add_parser(
-        "launch", help="run a script as the chief of a local multi-process cluster",
+        "launch", help="run a script or module as the chief of a local multi-process cluster",
+        usage="%(prog)s [options] script.py [args ...]\n"
+              "       %(prog)s [options] -m package.module [args ...]",
         description="Starts one process per task on this machine (workers and ps tasks as "
-                    "`kerasps serve`, the chief as `python script.py args`), each with its own "
+                    "`kerasps serve`, the chief as `python script.py args`, or with -m as "
+                    "`python -m package.module args`), each with its own "
                     "TF_CONFIG on loopback ports, restarts failed tasks (the chief included) on "
                     "the same address, and ends every process when the chief exits with "
                     "status 0 or on Ctrl-C. "
@@ -96,7 +99,7 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("--gpus-per-worker", type=_int_option("--gpus-per-worker", 1), default=None,
                         help="GPUs per worker, split through CUDA_VISIBLE_DEVICES")
     launch.add_argument("--evaluator", action="store_true",
-                        help="also run the script as task `evaluator 0` for side-car evaluation "
+                        help="also run the program as task `evaluator 0` for side-car evaluation "
                              "(kerasps.SidecarEvaluator)")
     launch.add_argument("--tf-logs", action="store_true",
                         help="keep TensorFlow's start-up lines (absl warnings, CUDA and "
@@ -105,12 +108,20 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("--emit", choices=["k8s"], default=None,
                         help="write Kubernetes manifests for the job, run nothing: a JobSet "
                              "(NAME.jobset.yaml) and a Kubeflow v1 TFJob (NAME.tfjob.yaml); the "
-                             "script's path is taken relative to the image's working directory")
+                             "script's path is taken relative to the image's working directory "
+                             "(a -m module runs as `python -m` in the image)")
     launch.add_argument("--image", help="container image holding kerasps and the script "
                                         "(required with --emit)")
     launch.add_argument("--name", help="job name in the manifests, made a DNS-1035 label "
-                                       "(default: the script's name)")
+                                       "(default: the script's name, or the module's last "
+                                       "component)")
     launch.add_argument("--output-dir", default=".", help="where --emit writes (default .)")
+    launch.add_argument("-m", dest="module", nargs=argparse.REMAINDER,
+                        help="MODULE [args ...]: run the chief (and the evaluator) as `python "
+                             "-m MODULE args` does, the module found from the current "
+                             "directory or on the Python path; as with python, everything "
+                             "after the module's name is its own (e.g. `kerasps launch "
+                             "--workers 2 -m trainer.main --epochs 5`)")
     launch.add_argument("program", nargs=argparse.REMAINDER,
                         help="the chief's script and its arguments")
     launch.set_defaults(command_parser=launch)  # for errors found after parsing
@@ -128,17 +139,43 @@ def _worker_range(text):
             .replace("Received: workers=", "Received: --workers=")) from None
 
 
+def _program(args, parser) -> tuple:
+    """The chief's program from the command line: `(script, *args)`, or `("-m", module,
+    *args)` for `-m module args`."""
+    if args.module is None:
+        if not args.program:
+            parser.error("Invalid value for argument `program`: the chief's script is required "
+                         "(kerasps launch [options] script.py [args], or -m package.module "
+                         "[args]). Received: program=None")
+        return tuple(args.program)
+    # `-m module args` leaves everything in args.module: a program beside it came from
+    # `-mmodule args` (its arguments then taken for a script's, or refused as options).
+    if args.program:
+        parser.error("Invalid value for argument `-m`: a script and a module cannot both be "
+                     "given; write -m apart from the module's name (kerasps launch [options] "
+                     "-m package.module [args]). "
+                     f"Received: -m={args.module[0]!r} and program={args.program!r}")
+    module, *rest = args.module or [None]
+    if not module:
+        parser.error("Invalid value for argument `-m`: the module to run is required "
+                     "(kerasps launch [options] -m package.module [args]). "
+                     f"Received: -m={module!r}")
+    if module.startswith("-"):
+        parser.error("Invalid value for argument `-m`: expected a module's name; the options "
+                     "of kerasps launch go before -m (everything after the module's name is its "
+                     f"own). Received: -m={module!r}")
+    return ("-m", module, *rest)
+
+
 def _launch(args, parser) -> int:
     from kerasps.ops import launch
 
-    if not args.program:
-        parser.error("Invalid value for argument `program`: the chief's script is required "
-                     "(kerasps launch [options] script.py [args]). Received: program=None")
+    program = _program(args, parser)
     if args.emit is not None and not args.image:
         parser.error("Invalid value for argument `--image`: it is required with --emit (an "
                      "image holding kerasps and the script). Received: --image=None")
     low, high = args.workers
-    spec = launch.LaunchSpec(program=tuple(args.program), workers=high, ps=args.ps,
+    spec = launch.LaunchSpec(program=program, workers=high, ps=args.ps,
                              min_workers=low if low < high else None,
                              max_restarts=args.max_restarts,
                              gpus_per_worker=args.gpus_per_worker, evaluator=args.evaluator)
@@ -146,14 +183,24 @@ def _launch(args, parser) -> int:
         try:
             launch.check_program(spec.program)
         except ValueError as error:
+            module = launch.program_module(spec.program)
+            if module is not None:  # as the command line named it
+                error = (str(error).replace("argument `program`", "argument `-m`")
+                         .replace(f"Received: program={spec.program[:2]!r}",
+                                  f"Received: -m={module!r}"))
             parser.error(str(error))
         return launch.Launcher(spec, tf_logs=args.tf_logs).run()
     from kerasps.ops import manifests
 
-    name = manifests.job_name(args.name or os.path.splitext(os.path.basename(spec.program[0]))[0])
-    script, warning = manifests.script_in_image(spec.program[0])
-    if warning:
-        print(f"kerasps launch: warning: {warning}", file=sys.stderr)
+    module = launch.program_module(spec.program)
+    if module is not None:  # `python -m module` in the image: no path to rewrite
+        default_name, script = module.rsplit(".", 1)[-1], None
+    else:
+        default_name = os.path.splitext(os.path.basename(spec.program[0]))[0]
+        script, warning = manifests.script_in_image(spec.program[0])
+        if warning:
+            print(f"kerasps launch: warning: {warning}", file=sys.stderr)
+    name = manifests.job_name(args.name or default_name)
     os.makedirs(args.output_dir, exist_ok=True)
     outputs = {f"{name}.jobset.yaml": ("JobSet", manifests.jobset),
                f"{name}.tfjob.yaml": ("TFJob", manifests.tfjob)}

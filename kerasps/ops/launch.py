@@ -3,7 +3,8 @@
     kerasps launch --workers 2 --ps 1 --max-restarts 3 train.py --epochs 5
 
 starts the worker and ps tasks as `kerasps serve` processes and the chief as
-`python train.py ...`, each with its own `TF_CONFIG` on loopback ports, so the
+`python train.py ...` (`kerasps launch ... -m package.module ...`: as
+`python -m package.module ...`), each with its own `TF_CONFIG` on loopback ports, so the
 script is the one a platform that sets `TF_CONFIG` (Kubernetes TFJob and the
 like) would run. Output is prefixed with the task (`[worker 1] ...`) and read as it
 is written (`kerasps.console`: a live progress bar on a terminal, complete lines
@@ -87,6 +88,7 @@ from kerasps.ops.launch_spec import (
     _environment,
     check_program,
     make_cluster,
+    program_module,
     runs_program,
     tf_config,
 )
@@ -108,8 +110,8 @@ from kerasps.runtime.launch_env import (
 
 __all__ = ["LaunchSpec", "Task", "Launcher", "TaskFailedError", "make_cluster", "tf_config",
            "install_chief_handler", "runs_program", "request_workers", "report_connected",
-           "check_program", "name_process", "REPORT_ENV", "TASK_ENV", "TRAINING_FINISHED_ENV",
-           "MIN_WORKERS_ENV", "WORKERS_WANTED_ENV"]
+           "check_program", "program_module", "name_process", "REPORT_ENV", "TASK_ENV",
+           "TRAINING_FINISHED_ENV", "MIN_WORKERS_ENV", "WORKERS_WANTED_ENV"]
 
 # Seconds a process gets to exit after SIGTERM before it is killed.
 GRACE_PERIOD = 10.0

@@ -5,6 +5,8 @@ and environments. Pure Python, no processes (those are `kerasps.ops.launch`'s).
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.machinery
 import json
 import os
 import sys
@@ -23,6 +25,7 @@ from kerasps.runtime.launch_env import (
 _REPORT_FILE, _FINISHED_FILE = "report.txt", "training_finished"  # in the launcher's scratch dir
 _WANTED_FILE, _CONNECTED_FILE = "workers_wanted", "connected"
 _STANDBY = "standby"  # the label of a standby interpreter's output until it gets a task
+MODULE_FLAG = "-m"  # `program` as `("-m", module, *args)`: the chief runs `python -m module args`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +45,9 @@ class LaunchSpec:
     """What `kerasps launch` runs.
 
     Attributes:
-        program: the chief's script and its arguments (`("train.py", "--epochs", "5")`).
+        program: the chief's script and its arguments (`("train.py", "--epochs", "5")`),
+            or `("-m", module, *args)` to run a module as `python -m module args` does
+            (`("-m", "trainer.main", "--epochs", "5")`).
         workers: worker tasks.
         ps: ps tasks.
         max_restarts: restarts allowed per task (chief, worker, ps or evaluator).
@@ -78,6 +83,12 @@ class LaunchSpec:
             raise ValueError("Invalid value for argument `program`: expected the chief's "
                              f"script and its arguments. Received: program={self.program!r}")
         object.__setattr__(self, "program", tuple(self.program))
+        if self.program[0] == MODULE_FLAG and (
+                len(self.program) < 2 or not isinstance(self.program[1], str)
+                or not self.program[1]):
+            raise ValueError("Invalid value for argument `program`: expected the module's name "
+                             "after '-m' (`('-m', 'package.module', *args)`). "
+                             f"Received: program={self.program!r}")
         if not isinstance(self.evaluator, bool):
             raise ValueError("Invalid value for argument `evaluator`: expected True or False. "
                              f"Received: evaluator={self.evaluator!r}")
@@ -109,10 +120,30 @@ def runs_program(task_type: str) -> bool:
     return task_type in (restarts_lib.PROGRAM_TYPE, restarts_lib.SIDECAR_TYPE)
 
 
+def program_module(program) -> str | None:
+    """The module `program` runs (`"pkg.mod"` for `("-m", "pkg.mod", *args)`), or `None`
+    for a script."""
+    return program[1] if program[0] == MODULE_FLAG else None
+
+
 def check_program(program) -> None:
-    """Raises a `ValueError` naming the script unless `program[0]` is one Python can run
-    (a readable file, or a directory holding `__main__.py`): checked before any task
-    starts."""
+    """Raises a `ValueError` naming the script or module unless Python can run it: checked
+    before any task starts.
+
+    A script must be a readable file, or a directory holding `__main__.py`. A module
+    (`("-m", "pkg.mod", ...)`) must be found as `python -m` finds it from this directory (the
+    current directory first, then the rest of `sys.path`), and a package must hold a
+    `__main__` module. Finding it runs no code of its packages (their `__init__`s run in the
+    chief, not here).
+    """
+    module = program_module(program)
+    if module is not None:
+        problem = _module_problem(module)
+        if problem:
+            raise ValueError(
+                f"Invalid value for argument `program`: the chief's module {module!r} cannot be "
+                f"run ({problem}). Received: program={tuple(program[:2])!r}")
+        return
     script = program[0]
     problem = None
     if not os.path.exists(script):
@@ -124,6 +155,53 @@ def check_program(program) -> None:
     if problem:
         raise ValueError(f"Invalid value for argument `program`: the chief's script "
                          f"{script!r} cannot be run ({problem}). Received: program={script!r}")
+
+
+def _module_problem(name: str) -> str | None:
+    """Why `python -m name`, started in this directory, would not find `name`; `None` if it
+    would. Walks the dotted name with the import system's finders (`sys.meta_path`), as
+    `importlib.util.find_spec` does, without importing the parent packages."""
+    parts = name.split(".")
+    if not all(parts):
+        return "not a module name: relative and empty names cannot be run"
+    # A task's `python -m` puts its current directory (this one) first on its path, where
+    # this process has its own script's directory.
+    search = [os.getcwd(), *sys.path[0 if sys.flags.safe_path else 1:]]
+    importlib.invalidate_caches()  # a module written since this process last looked
+    try:
+        spec = None
+        for depth in range(1, len(parts) + 1):
+            fullname = ".".join(parts[:depth])
+            if spec is not None and spec.submodule_search_locations is None:
+                return f"{spec.name!r} is not a package"
+            spec = _find_spec(fullname, search if spec is None
+                              else spec.submodule_search_locations)
+            if spec is None:
+                where = ("in the current directory or on sys.path" if depth == 1
+                         else f"in package {'.'.join(parts[:depth - 1])!r}")
+                return f"no module named {fullname!r} {where}"
+        if (spec.submodule_search_locations is not None
+                and _find_spec(f"{name}.__main__", spec.submodule_search_locations) is None):
+            return "a package without __main__"
+    except Exception as error:  # noqa: BLE001 - a finder's own error says why
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _find_spec(fullname: str, path):
+    """The first spec `sys.meta_path`'s finders give for `fullname`: for a top-level name
+    the path finder searches `path` (the task's `sys.path`), for a submodule `path` is its
+    package's `__path__`."""
+    top_level = "." not in fullname
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if find is None:
+            continue
+        spec = find(fullname, None if top_level and finder is not importlib.machinery.PathFinder
+                    else path)
+        if spec is not None:
+            return spec
+    return None
 
 
 def _command(spec: LaunchSpec, task: Task) -> list[str]:

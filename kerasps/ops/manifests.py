@@ -26,8 +26,9 @@ starts), and below MIN the chief holds training.
 
 The image must hold kerasps and the script: the script's path is taken relative
 to the image's working directory (`script_in_image`); servers run `kerasps serve`,
-the chief and the evaluator `python <script> <args>`. Pure Python (PyYAML writes
-the files).
+the chief and the evaluator `python <script> <args>`, or `python -m <module> <args>`
+for a module (`program=("-m", module, *args)`, found on the image's Python path).
+Pure Python (PyYAML writes the files).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import re
 
 import yaml
 
-from kerasps.ops.launch import MIN_WORKERS_ENV, LaunchSpec, runs_program
+from kerasps.ops.launch import MIN_WORKERS_ENV, LaunchSpec, program_module, runs_program
 from kerasps.runtime.cluster import JOBSET_ENV, JOBSET_PORT, JOBSET_REPLICAS_ENV
 
 __all__ = ["jobset", "tfjob", "notes", "job_name", "script_in_image", "dump", "PORT",
@@ -100,8 +101,18 @@ def _counts(spec: LaunchSpec) -> dict:
     return {"ps": spec.ps, "worker": spec.workers, "chief": 1, "evaluator": int(spec.evaluator)}
 
 
-def _container(spec: LaunchSpec, task_type: str, image: str, script: str, env=()) -> dict:
-    command = (["python", script, *spec.program[1:]] if runs_program(task_type)
+def _program_command(spec: LaunchSpec, script: str | None) -> list:
+    """What the chief and the evaluator run: `python -m module args` for a module (not a
+    path: nothing to rewrite), else `python script args`, `script` defaulting to
+    `spec.program[0]`."""
+    if program_module(spec.program) is not None:
+        return ["python", *spec.program]
+    return ["python", spec.program[0] if script is None else script, *spec.program[1:]]
+
+
+def _container(spec: LaunchSpec, task_type: str, image: str, script: str | None,
+               env=()) -> dict:
+    command = (_program_command(spec, script) if runs_program(task_type)
                else ["kerasps", "serve"])
     env = [*env, {"name": "PYTHONUNBUFFERED", "value": "1"}]
     if task_type == "chief" and spec.min_workers is not None:
@@ -120,10 +131,10 @@ def jobset(spec: LaunchSpec, name: str, image: str, script: str | None = None) -
         spec: the job.
         name: the JobSet's name (made a DNS-1035 label by `job_name`).
         image: the container image holding kerasps and the script.
-        script: the script's path in the image; defaults to `spec.program[0]`.
+        script: the script's path in the image; defaults to `spec.program[0]`. Unused
+            for a module (`program=("-m", module, *args)`), run as `python -m module args`.
     """
     name = job_name(name)
-    script = spec.program[0] if script is None else script
     counts = _counts(spec)
     shared_env = [{"name": variable, "valueFrom": {"fieldRef": {
         "fieldPath": f"metadata.annotations['{annotation}']"}}}
@@ -171,7 +182,6 @@ def jobset(spec: LaunchSpec, name: str, image: str, script: str | None = None) -
 def tfjob(spec: LaunchSpec, name: str, image: str, script: str | None = None) -> dict:
     """A Kubeflow `TFJob` (`kubeflow.org/v1`) for `spec`; arguments as for `jobset`."""
     name = job_name(name)
-    script = spec.program[0] if script is None else script
     replicas = {}
     for kind in ("chief", "worker", "ps", "evaluator"):
         count = _counts(spec)[kind]

@@ -7,9 +7,12 @@ task is away. The launcher keeps one standby (`python -m kerasps.standby`)
 beside the job. To restart a task it writes the task's command and environment
 to the standby's stdin (one JSON line, `{"argv": [...], "env": {...}}`); the
 standby takes that environment as its own and runs the task as its command
-would: `kerasps serve`, or the script as `python script.py args` runs it
+would: `kerasps serve`, the script as `python script.py args` runs it
 (`runpy.run_path` as `__main__`, with `sys.argv` and `sys.path[0]` set as for a
-script). Its exit status is the task's. The launcher then starts a new standby.
+script), or a module (`-m package.module args`) as `python -m` runs it
+(`runpy.run_module` as `__main__`, `sys.argv[0]` the module's file and
+`sys.path[0]` the current directory). Its exit status is the task's. The
+launcher then starts a new standby.
 
 Nothing here selects or initializes devices: a worker's `CUDA_VISIBLE_DEVICES`
 arrives with its environment, before TensorFlow first looks for GPUs.
@@ -17,6 +20,7 @@ arrives with its environment, before TensorFlow first looks for GPUs.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import runpy
@@ -40,6 +44,12 @@ def become(argv: list, env: dict) -> int:
 
         sys.argv = ["kerasps", *argv[2:]]
         return cli.main(argv[2:])
+    if argv[0] == "-m":  # as `python -m module args`
+        sys.argv = ["-m", *argv[2:]]  # run_module makes argv[0] the module's file
+        sys.path[0] = os.getcwd()
+        importlib.invalidate_caches()  # a module written since this interpreter started
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        return 0
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
     runpy.run_path(argv[0], run_name="__main__")

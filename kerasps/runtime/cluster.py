@@ -68,6 +68,15 @@ _SERVERS = []
 _LOCK = threading.Lock()
 
 
+def _program_name() -> str:
+    """How this process's program was named to Python: `-m package.module` when it runs as
+    `python -m` (or `kerasps launch -m`) does, else its script's file name."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return f"-m {spec.name.removesuffix('.__main__')}"
+    return os.path.basename(sys.argv[0])
+
+
 def _enable_fail_fast():
     # Lets the coordinator see worker and ps failures instead of retrying forever.
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
@@ -406,7 +415,7 @@ def from_tf_config(tf_config: str | None = None):
     if parsed["task_type"] not in ("worker", "ps"):
         _enable_keepalive()
     launch_env.install_chief_handler()
-    launch_env.name_process(detail=" ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]))
+    launch_env.name_process(detail=" ".join([_program_name(), *sys.argv[1:]]))
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(parsed["training_cluster"]),
         task_type=parsed["task_type"],
