@@ -37,6 +37,7 @@ import json
 import os
 import random
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -60,6 +61,10 @@ KINDS = ("worker", "ps", "chief")
 # of one step.
 EXTRA_PER_KILL = (64 + 1) * 2 * WORKERS
 DEADLINE_S = 1800
+# Seconds after the last requested step with no `done` from the chief before its threads'
+# stacks are dumped (SIGUSR1, `faulthandler`) into its output: 3 of 21 jobs once stalled
+# ~28 s there, cause unknown.
+STALL_DUMP_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +82,8 @@ QUICK = Config(epochs=2, steps=1000, kill_every=(10.0, 15.0), max_kills=3)
 CHIEF = """
 import time
 print("phase", time.time(), "start", flush=True)
-import json, logging, sys, threading
+import faulthandler, json, logging, signal, sys, threading
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver's stall dump
 import keras, tensorflow as tf, kerasps
 print("phase", time.time(), "imported", flush=True)
 
@@ -182,6 +188,31 @@ def _wait(predicate, deadline: float, job: RunningJob) -> bool:
     return predicate()
 
 
+def _dump_a_stall(job: RunningJob, requested: int, deadline: float) -> float | None:
+    """Waits for the job to end; if the chief's counter reached `requested` and no `done`
+    followed within `STALL_DUMP_S`, dumps the chief's stacks once (into its output) and
+    returns when."""
+    reached = None
+    while job.process.poll() is None and time.time() < deadline:
+        if _done(job) is not None:
+            return None
+        readings = _chief_events(job)["it"]
+        if reached is None and readings and readings[-1][1] >= requested:
+            reached = time.time()
+        imported = sum(1 for _, phase in _chief_events(job)["phase"] if phase == "imported")
+        if (reached is not None and time.time() - reached > STALL_DUMP_S
+                and imported == len(job.pids.get("chief 0", []))):  # its handler is set
+            try:
+                job.kill("chief 0", signal.SIGUSR1)
+            except (ProcessLookupError, KeyError):
+                return None
+            print(f"  a stall: no `done` {STALL_DUMP_S:g} s after step {requested}; the "
+                  "chief's stacks are in its output", flush=True)
+            return time.time()
+        time.sleep(0.1)
+    return None
+
+
 def run_job(workdir: str, config: Config, seed: int | None) -> dict:
     """One job; with a `seed`, kills processes in turn as the module docstring says."""
     started = time.time()
@@ -214,6 +245,7 @@ def run_job(workdir: str, config: Config, seed: int | None) -> dict:
                 kills.append({"time": killed_at, "kind": kind, "task": task,
                               "counter": readings[-1][1] if readings else 0})
                 next_kill = killed_at + rng.uniform(*config.kill_every)
+        stall_dump = _dump_a_stall(job, config.epochs * config.steps, started + DEADLINE_S)
         code = job.finish(DEADLINE_S)
     finally:
         job.close()
@@ -230,6 +262,7 @@ def run_job(workdir: str, config: Config, seed: int | None) -> dict:
         "launcher": [(t, line) for t, line in zip(job.times, job.lines)
                      if line.startswith("[launcher]") or "] kerasps serve: " in line],
         "started": started,
+        "stall_dump": stall_dump and stall_dump - started,
     }
     bound = requested + EXTRA_PER_KILL * len(kills)
     result["finished"] = bool(code == 0 and done and requested <= done["iterations"] <= bound)
