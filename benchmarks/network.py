@@ -249,9 +249,7 @@ def _merged(records):
     for runs in groups.values():
         rates = [r["steps_per_s"] for r in runs]
         merged.append({**runs[0], "runs": rates, "steps_per_s": statistics.median(rates)})
-    return sorted(merged, key=lambda r: (-netbench.parse_rate(r["ps_rate"] or r["rate"]),
-                                         r["ps"], r["placement"], r["spe"],
-                                         r.get("workers", NUM_WORKERS)))
+    return sorted(merged, key=lambda r: (-netbench.parse_rate(_config(r)[0]), *_config(r)[1:]))
 
 
 def predict_table(records, calibration, models=MODELS):
@@ -276,27 +274,30 @@ def predict_table(records, calibration, models=MODELS):
              + " | ".join(f"simulator, {name} | error" for name, _, _ in models) + " |",
              "|---|---:|---:|---|---:|---:|---:|" + "---:|---:|" * len(models)]
     worst = dict.fromkeys(fits, 0.0)
+    at_calibration = {}  # each model's prediction of the calibration run
     for r in records:
+        rate, num_ps, placement, spe, workers = _config(r)
+        is_calibration = _config(r) == calibration
         busiest = max(c["tx_bytes"] for ns, c in r["counters"].items() if "-ps-" in ns)
         cells = []
         for name, duplex, sharing in models:
             step_time, overhead = fits[name]
             predicted = _simulate(r, step_time, overhead, duplex, sharing)
             error = predicted / r["steps_per_s"] - 1
-            if _config(r) != calibration:
+            if is_calibration:
+                at_calibration[name] = predicted
+            else:
                 worst[name] = max(worst[name], abs(error))
             cells.append(f"{predicted:.2f} | {error:+.0%}")
-        mark = " (calibration)" if _config(r) == calibration else ""
+        mark = " (calibration)" if is_calibration else ""
         runs = ", ".join(f"{x:.2f}" for x in r["runs"])
-        lines.append(f"| {r['ps_rate'] or r['rate']} | {r['ps']} "
-                     f"| {r.get('workers', NUM_WORKERS)} | {r['placement']}{mark} "
-                     f"| {r['spe']} | {busiest / r['steps'] / 1024:.0f} "
+        lines.append(f"| {rate} | {num_ps} | {workers} | {placement}{mark} "
+                     f"| {spe} | {busiest / r['steps'] / 1024:.0f} "
                      f"| {r['steps_per_s']:.2f} ({runs}) | {' | '.join(cells)} |")
     lines.append("| largest error, other rows | | | | | | | "
                  + " | ".join(f" | {worst[name]:.0%}" for name, _, _ in models) + " |")
-    for name, duplex, sharing in models:
-        step_time, overhead = fits[name]
-        fastest = _simulate(base[0], step_time, overhead, duplex, sharing)
+    for name, _, _ in models:
+        fastest = at_calibration[name]
         if fastest < 0.99 * base[0]["steps_per_s"]:
             lines.append(f"\n{name}: even with no step time the model gives {fastest:.2f} "
                          f"steps/s, below the calibration run's {base[0]['steps_per_s']:.2f}: "
