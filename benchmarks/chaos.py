@@ -196,10 +196,11 @@ def _dump_a_stall(job: RunningJob, requested: int, deadline: float) -> float | N
     while job.process.poll() is None and time.time() < deadline:
         if _done(job) is not None:
             return None
-        readings = _chief_events(job)["it"]
+        events = _chief_events(job)
+        readings = events["it"]
         if reached is None and readings and readings[-1][1] >= requested:
             reached = time.time()
-        imported = sum(1 for _, phase in _chief_events(job)["phase"] if phase == "imported")
+        imported = sum(1 for _, phase in events["phase"] if phase == "imported")
         if (reached is not None and time.time() - reached > STALL_DUMP_S
                 and imported == len(job.pids.get("chief 0", []))):  # its handler is set
             try:
