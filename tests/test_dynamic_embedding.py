@@ -70,16 +70,30 @@ def test_partitions_spread_keys_evenly_and_ps_tasks_hold_runs_of_them():
     np.testing.assert_array_equal(tasks, spec.partition_of(np.arange(1000)) // 15)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, glibc")
-def test_a_tables_constant_optimizer_slots_take_their_size_once():
-    """Adagrad's accumulators of a table are made by one fill: Keras' `Constant` made two
-    tensors of their size, and TensorFlow's CPU allocator kept the one freed (2.0x)."""
-    script = textwrap.dedent("""
-        import ctypes, keras, kerasps
+def _measured_in_a_fresh_process(script: str, name: str) -> float:
+    """Runs `script` (which can call `rss()`: this process's RSS in bytes after glibc
+    returned its free memory) in a new interpreter; returns the number it printed after
+    `name`."""
+    rss = textwrap.dedent("""
+        import ctypes
         def rss():
             ctypes.CDLL("libc.so.6").malloc_trim(0)
             with open("/proc/self/statm") as f:
                 return int(f.read().split()[1]) * 4096
+    """)
+    done = subprocess.run([sys.executable, "-c", rss + textwrap.dedent(script)],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return float(done.stdout.split(name)[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, glibc")
+def test_a_tables_constant_optimizer_slots_take_their_size_once():
+    """Adagrad's accumulators of a table are made by one fill: Keras' `Constant` made two
+    tensors of their size, and TensorFlow's CPU allocator kept the one freed (2.0x)."""
+    ratio = _measured_in_a_fresh_process("""
+        import keras, kerasps
         layer = kerasps.layers.DynamicEmbedding(32, capacity=500_000, name="t")
         layer.build((None, 1))
         before = rss()
@@ -88,11 +102,7 @@ def test_a_tables_constant_optimizer_slots_take_their_size_once():
         grown = rss() - before
         assert float(optimizer.variables[-1].numpy().min()) == 0.25
         print("RATIO", grown / (500_000 * 32 * 4))
-    """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-    assert done.returncode == 0, done.stderr[-2000:]
-    ratio = float(done.stdout.split("RATIO")[1])
+    """, "RATIO")
     assert ratio < 1.3, ratio
 
 
@@ -100,13 +110,8 @@ def test_a_tables_constant_optimizer_slots_take_their_size_once():
 def test_memory_arithmetic_counts_a_map_key_as_tensorflows_table_takes_it():
     """A map key costs what TensorFlow's `MutableHashTable` takes for it, no less (the
     arithmetic once counted a flat map: 35.6 bytes a key against 43.6 measured)."""
-    script = textwrap.dedent("""
-        import ctypes
+    measured = _measured_in_a_fresh_process("""
         import numpy as np, tensorflow as tf
-        def rss():
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * 4096
         table = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, -1)
         keys = np.random.default_rng(0).integers(0, 2**62, 1_000_000)
         table.insert(keys[:10], keys[:10])
@@ -115,11 +120,7 @@ def test_memory_arithmetic_counts_a_map_key_as_tensorflows_table_takes_it():
             table.insert(keys[start:start + 100_000], keys[start:start + 100_000])
         assert int(table.size()) == len(keys)
         print("PER_KEY", (rss() - before) / len(keys))
-    """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-    assert done.returncode == 0, done.stderr[-2000:]
-    measured = float(done.stdout.split("PER_KEY")[1])
+    """, "PER_KEY")
     counted = tables.TableSpec(capacity=1_000_000, output_dim=8).memory_bytes()["maps"] / 1e6
     assert measured <= counted <= 1.25 * measured, (measured, counted)
 
