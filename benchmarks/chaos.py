@@ -80,12 +80,22 @@ FULL = Config()
 QUICK = Config(epochs=2, steps=1000, kill_every=(10.0, 15.0), max_kills=3)
 
 CHIEF = """
-import time
-print("phase", time.time(), "start", flush=True)
-import faulthandler, json, logging, signal, sys, threading
+import sys, threading, time
+
+_said = threading.Lock()
+
+
+def say(*words):  # one whole line: print() from two threads can interleave their words
+    with _said:
+        sys.stdout.write(" ".join(map(str, words)) + "\\n")
+        sys.stdout.flush()
+
+
+say("phase", time.time(), "start")
+import faulthandler, json, logging, signal
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver's stall dump
 import keras, tensorflow as tf, kerasps
-print("phase", time.time(), "imported", flush=True)
+say("phase", time.time(), "imported")
 
 epochs, steps, vocab, save_freq, backup_dir = sys.argv[1:]
 epochs, steps, vocab, save_freq = int(epochs), int(steps), int(vocab), int(save_freq)
@@ -93,7 +103,7 @@ epochs, steps, vocab, save_freq = int(epochs), int(steps), int(vocab), int(save_
 
 class Stamped(logging.Handler):
     def emit(self, record):
-        print("log", time.time(), record.getMessage().replace("\\n", " | "), flush=True)
+        say("log", time.time(), record.getMessage().replace("\\n", " | "))
 
 
 log = logging.getLogger("kerasps")
@@ -104,7 +114,7 @@ log.propagate = False
 strategy = kerasps.ParameterServerStrategy(
     kerasps.cluster.from_tf_config(),
     variable_partitioner=kerasps.partitioners.FixedShardsPartitioner(2))
-print("phase", time.time(), "connected", flush=True)
+say("phase", time.time(), "connected")
 with strategy.scope():
     ids = keras.Input((4,), dtype="int32")
     x = keras.layers.Embedding(vocab, 16)(ids)
@@ -129,14 +139,13 @@ def watch():
         except Exception:  # a ps task is down
             value = None
         if value is not None and value != last:
-            print("it", time.time(), value, flush=True)
+            say("it", time.time(), value)
             last = value
         time.sleep(0.02)
 
 
 def begin(logs):  # after BackupAndRestore restored the backup (callbacks run in order)
-    print("phase", time.time(), "restored", int(model.optimizer.iterations.numpy()),
-          flush=True)
+    say("phase", time.time(), "restored", int(model.optimizer.iterations.numpy()))
     threading.Thread(target=watch, daemon=True).start()
 
 
@@ -146,7 +155,7 @@ model.fit(kerasps.DatasetCreator(dataset_fn), epochs=epochs, steps_per_epoch=ste
           callbacks=[keras.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq,
                                                       delete_checkpoint=False),
                      keras.callbacks.LambdaCallback(on_train_begin=begin)])
-print("done", json.dumps({"iterations": int(model.optimizer.iterations.numpy())}), flush=True)
+say("done", json.dumps({"iterations": int(model.optimizer.iterations.numpy())}))
 """
 
 LINE = re.compile(r"^\[chief 0\] (it|phase|log) (\d+\.\d+) ?(.*)$")
@@ -170,7 +179,10 @@ def _chief_events(job: RunningJob) -> dict:
         match = LINE.match(line)
         if match:
             kind, t, rest = match.group(1), float(match.group(2)), match.group(3)
-            events[kind].append((t, int(rest) if kind == "it" else rest))
+            if kind != "it":
+                events[kind].append((t, rest))
+            elif rest.isdigit():  # not the last line of a chief killed while writing it
+                events[kind].append((t, int(rest)))
     return events
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import portpicker
 import pytest
@@ -626,6 +627,21 @@ def test_a_short_chaos_run_finishes_with_every_step(tmp_path):
     for kill in result["kills"]:
         assert any(line.startswith(f"[launcher] {kill['task']} exited with signal 9 (SIGKILL); "
                                    "restart 1 of") for _, line in result["launcher"])
+
+
+def test_the_chaos_driver_reads_past_a_counter_line_cut_short():
+    """A chief killed while writing, or two of its threads writing at once, leaves an `it`
+    line with no counter: the driver once died on it (ValueError) in the middle of a soak."""
+    chaos = _benchmark("chaos")
+    job = types.SimpleNamespace(lines=[
+        "[chief 0] it 1795650127.5 2159",
+        "[chief 0] it 1795650127.6 ",
+        "[chief 0] it 1795650127.7 log 1795650127.7 ps 1 is back",
+        "[chief 0] phase 1795650130.1 restored 2150",
+        "[chief 0] it 1795650131.0 2175"])
+    events = chaos._chief_events(job)
+    assert events["it"] == [(1795650127.5, 2159), (1795650131.0, 2175)]
+    assert events["phase"] == [(1795650130.1, "restored 2150")]
 
 
 # TensorFlow's own fault-tolerance scenarios (`fault_tolerance_test_base.py`), on a custom
