@@ -80,12 +80,20 @@ class ZipfStream:
         return self.score_scale * _probit(_uniform(ids, 0x5C0E + self.seed))
 
     def chunks(self) -> Iterator[np.ndarray]:
-        """The ids of each chunk, in order (int64)."""
+        """The ids of each chunk, in order (int64).
+
+        An id's popularity is fixed, so only the ids that joined the window since the
+        last chunk are weighed (hashing the whole window again would cost most of the
+        time of a large window); the weights, and so the draws, are the same.
+        """
         rng = np.random.default_rng(self.seed)
+        first, weights = 0, np.empty(0)  # the live ids' weights from id `first` on
         for c in range(self.num_chunks):
             start = self.window_start(c)
+            kept = weights[start - first:]
+            joined = np.arange(start + len(kept), start + self.window, dtype=np.int64)
+            first, weights = start, np.concatenate((kept, self.popularity(joined)))
             live = np.arange(start, start + self.window, dtype=np.int64)
-            weights = self.popularity(live)
             size = min(self.chunk, self.examples - c * self.chunk)
             yield rng.choice(live, size=size, p=weights / weights.sum())
 

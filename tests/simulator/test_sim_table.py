@@ -32,6 +32,33 @@ def test_the_stream_grows_its_vocabulary_and_keeps_popular_ids_popular():
     assert np.corrcoef(top, clicked)[0, 1] > 0.8  # labels follow the hidden scores
 
 
+def _chunks_drawn_window_by_window(stream):
+    """The stream's chunks as first written: every chunk weighs its whole window again."""
+    rng = np.random.default_rng(stream.seed)
+    for c in range(stream.num_chunks):
+        start = stream.window_start(c)
+        live = np.arange(start, start + stream.window, dtype=np.int64)
+        weights = stream.popularity(live)
+        size = min(stream.chunk, stream.examples - c * stream.chunk)
+        yield rng.choice(live, size=size, p=weights / weights.sum())
+
+
+@pytest.mark.parametrize("examples, distinct, window, chunk", [
+    (100_000, 50_000, 5_000, 1_000),   # the window moves 45 ids a chunk: mostly kept
+    (30_000, 200_000, 3_000, 1_000),   # it jumps past itself: nothing kept
+    (5_000, 5_000, 5_000, 1_000),      # it never moves
+    (777, 9_000, 4_000, 100),          # a short last chunk
+])
+def test_the_stream_keeps_each_ids_weight_as_the_window_slides_and_draws_the_same_ids(
+        examples, distinct, window, chunk):
+    stream = ZipfStream(examples=examples, distinct=distinct, window=window, chunk=chunk, seed=3)
+    drawn = list(stream.chunks())
+    expected = list(_chunks_drawn_window_by_window(stream))
+    assert len(drawn) == len(expected)
+    for got, want in zip(drawn, expected):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_lru_keeps_the_most_recent_ids_and_counts_churn():
     model = TableModel(tables.TableSpec(capacity=4, output_dim=2, num_partitions=1))
     for batch in ([1, 2, 3, 4], [2], [3], [4], [9]):
