@@ -9,7 +9,7 @@ one thing off by monkeypatching (they measure; they are not supported modes):
 
 * ``kerasps``: `fit`, `verbose=0`, as in `fit_throughput.py`;
 * ``callback``: plus a batch-level callback (logs come back every function);
-* ``no_staleness``: the staleness counter is not updated or read in the step;
+* ``no_staleness``: the strategy's `measure_staleness=False` (no staleness counter);
 * ``no_loss_metric``: the loss tracker (a `Mean` on a ps task) is not updated;
 * ``unrolled``: Keras' `unrolled_steps_per_execution = steps_per_execution`;
 * ``schedule_loop``: no `fit`: the same traced function scheduled in a Python
@@ -111,8 +111,8 @@ def _measure(run, steps, fits):
                        for k in keys}}
 
 
-def _sharded_model(spe):
-    """`fit_throughput.py`'s cluster, strategy and compiled model."""
+def _sharded_model(spe, **strategy_kwargs):
+    """`fit_throughput.py`'s cluster, strategy (with `strategy_kwargs`) and compiled model."""
     import keras
 
     import kerasps
@@ -120,7 +120,7 @@ def _sharded_model(spe):
     resolver = kerasps.cluster.in_process(num_workers=ft.NUM_WORKERS, num_ps=ft.NUM_PS)
     strategy = kerasps.ParameterServerStrategy(
         resolver, variable_partitioner=kerasps.partitioners.MinSizePartitioner(
-            min_shard_bytes=ft.MIN_SHARD_BYTES, max_shards=ft.MAX_SHARDS))
+            min_shard_bytes=ft.MIN_SHARD_BYTES, max_shards=ft.MAX_SHARDS), **strategy_kwargs)
     with strategy.scope():
         model = ft._build_model(keras)
         model.compile(keras.optimizers.Adam(), "mse", steps_per_execution=spe)
@@ -144,13 +144,9 @@ def run_variant(variant, spe, steps, fits):
     import tensorflow as tf
 
     import kerasps
-    from kerasps.trainer import staleness
     from kerasps.trainer import steps as steps_lib
 
-    if variant == "no_staleness":
-        staleness.measured = lambda model, train_step, cache: train_step
-        steps_lib.staleness.measured = staleness.measured
-    strategy, model = _sharded_model(spe)
+    strategy, model = _sharded_model(spe, measure_staleness=variant != "no_staleness")
     if variant == "unrolled":
         model.unrolled_steps_per_execution = spe
     if variant == "no_loss_metric":

@@ -15,6 +15,7 @@ from kerasps.consistency import Consistency, Mode, StalenessBound, SyncStep
     (dict(mode="async", max_staleness=-1), "max_staleness=-1"),
     (dict(mode="sync", max_staleness=2), "max_staleness=2 with mode='sync'"),
     (dict(mode="sync", backup_workers=1.5), "backup_workers=1.5"),
+    (dict(measure_staleness=1), "measure_staleness=1"),
 ])
 def test_bad_arguments_name_the_argument_and_value(kwargs, match):
     args = dict(mode="async", backup_workers=0, max_staleness=None) | kwargs

@@ -228,12 +228,31 @@ def test_async_logs_report_staleness_and_max_staleness_bounds_it(make_strategy):
     assert results[0] == 0.0  # one function at a time: nothing lands in between
 
 
+def test_measure_staleness_false_drops_the_counter_and_its_log(make_strategy):
+    from kerasps.trainer.steps import step_functions
+
+    strategy = make_strategy(measure_staleness=False)
+    assert not strategy.measure_staleness
+    with strategy.scope():
+        model = _dense_model()
+    batches = []
+    callback = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: batches.append(dict(logs)))
+    history = model.fit(kerasps.DatasetCreator(_slow_worker_fn(0.02)), epochs=2,
+                        steps_per_epoch=6, verbose=0, callbacks=[callback])
+    assert int(model.optimizer.iterations.numpy()) == 12
+    assert "staleness" not in history.history and len(history.history["loss"]) == 2
+    assert len(batches) == 12 and all("staleness" not in logs for logs in batches)
+    assert "staleness" not in step_functions(model)  # no counter was made for the steps
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(mode="sync", backup_workers=2), "backup_workers=2"),
     (dict(backup_workers=1), "need `mode='sync'`"),
     (dict(mode="sync", max_staleness=1), "max_staleness=1 with mode='sync'"),
     (dict(max_staleness=-2), "max_staleness=-2"),
     (dict(mode="sync", step_timeout=0), "step_timeout=0"),
+    (dict(measure_staleness="no"), "measure_staleness='no'"),
 ])
 def test_strategy_refuses_bad_consistency_arguments(make_strategy, kwargs, match):
     with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):

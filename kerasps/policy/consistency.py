@@ -41,15 +41,24 @@ class Consistency:
         backup_workers: sync only: gradients a global step does not wait for.
         max_staleness: async only: the most updates a gradient may be behind
             when it is applied (`None`: unbounded).
+        measure_staleness: whether every step adds its gradient's staleness to a
+            counter on a ps task, reported as `staleness` in the logs (one more
+            update per step).
     """
 
     mode: Mode = Mode.ASYNC
     backup_workers: int = 0
     max_staleness: int | None = None
+    measure_staleness: bool = True
 
     @classmethod
-    def of(cls, mode, backup_workers, max_staleness, num_workers: int) -> Consistency:
+    def of(cls, mode, backup_workers, max_staleness, num_workers: int,
+           measure_staleness=True) -> Consistency:
         """Validates the strategy's arguments; raises `ValueError` naming the bad one."""
+        if not isinstance(measure_staleness, bool):
+            raise ValueError(
+                "Invalid value for argument `measure_staleness`: expected True or False. "
+                f"Received: measure_staleness={measure_staleness!r}")
         try:
             mode = Mode(mode)
         except ValueError:
@@ -74,7 +83,7 @@ class Consistency:
                 "Invalid value for argument `max_staleness`: it bounds the staleness of "
                 "asynchronous updates; synchronous steps apply no stale gradient. Received: "
                 f"max_staleness={max_staleness!r} with mode={mode.value!r}")
-        return cls(mode, backup_workers, max_staleness)
+        return cls(mode, backup_workers, max_staleness, measure_staleness)
 
     @property
     def sync(self) -> bool:

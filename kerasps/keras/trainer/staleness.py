@@ -5,7 +5,9 @@ A gradient's staleness is the number of updates applied between the read of
 training step adds its staleness and a count of 1 to a two-element counter
 on the ps task of `optimizer.iterations` (one `assign_add` there per step);
 `fit` reports the epoch's mean as `staleness` in the batch and epoch logs,
-beside `dropped_gradients` (gradients a sync step did not use).
+beside `dropped_gradients` (gradients a sync step did not use). A strategy
+made with `measure_staleness=False` has no counter: its steps do not update
+it and its async logs have no `staleness` (sync logs still report 0).
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ def without_counts(logs):
     return {k: v for k, v in logs.items() if k not in (STALENESS, DROPPED)}
 
 
+def measuring(model) -> bool:
+    """Whether `model`'s steps add their staleness to its counter (the strategy's
+    `measure_staleness`)."""
+    return model.distribute_strategy.consistency.measure_staleness
+
+
 def counter(model, cache):
     """The model's `[sum of staleness, applied gradients]` counter on the ps task of
     `optimizer.iterations`.
@@ -77,12 +85,17 @@ def counter(model, cache):
 
 
 def reset(model, cache):
-    counter(model, cache).assign(tf.zeros([2], tf.float64))
+    if measuring(model):
+        counter(model, cache).assign(tf.zeros([2], tf.float64))
 
 
-def mean(model, cache) -> float:
+def epoch_logs(model, cache) -> dict:
+    """`{"staleness": the epoch's mean}`; `{}` when not `measuring` (async), and 0 in
+    sync mode, where no gradient is stale."""
+    if not measuring(model):
+        return {STALENESS: 0.0} if model.distribute_strategy.consistency.sync else {}
     total, count = counter(model, cache).numpy()
-    return float(total / count) if count else 0.0
+    return {STALENESS: float(total / count) if count else 0.0}
 
 
 @contextlib.contextmanager
@@ -105,7 +118,10 @@ def measured(model, train_step, cache):
 
     Used while the step function is traced: it reads `optimizer.iterations`
     first and again just before `optimizer.apply` updates the variables.
+    `train_step` itself when not `measuring`.
     """
+    if not measuring(model):
+        return train_step
     optimizer = model.optimizer
     staleness = counter(model, cache)
     iterations = _keras.tf_variable(optimizer.iterations)

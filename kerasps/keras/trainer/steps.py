@@ -130,7 +130,7 @@ def make_train_to_end_function(model, with_logs=True):
     if name in cache:
         return cache[name]
     strategy = model.distribute_strategy
-    counter = staleness.counter(model, cache)
+    counter = staleness.counter(model, cache) if staleness.measuring(model) else None
 
     @tf.autograph.experimental.do_not_convert
     def train_function(iterator, steps: int):
@@ -154,9 +154,11 @@ def make_train_to_end_function(model, with_logs=True):
         if not with_logs:
             return done, worker
         with tf.control_dependencies([done]):
-            total, count = tf.unstack(counter.read_value())
-            return done, worker, {**model.get_metrics_result(),
-                                  staleness.STALENESS: tf.math.divide_no_nan(total, count)}
+            logs = model.get_metrics_result()
+            if counter is not None:
+                total, count = tf.unstack(counter.read_value())
+                logs = {**logs, staleness.STALENESS: tf.math.divide_no_nan(total, count)}
+            return done, worker, logs
 
     cache[name] = tf.function(train_function, reduce_retracing=True)
     return cache[name]

@@ -316,7 +316,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                         synchronous.drain()
                     epoch_logs = dict(_keras.metrics_result_or_logs(
                         model, staleness.without_counts(logs)))
-                    epoch_logs[staleness.STALENESS] = staleness.mean(model, step_functions(model))
+                    epoch_logs.update(staleness.epoch_logs(model, step_functions(model)))
                     epoch_logs[staleness.DROPPED] = dropped
                     break
                 except tf.errors.OutOfRangeError:
