@@ -59,7 +59,19 @@ def _stream(args):
     from simulator.idstream import ZipfStream
 
     return ZipfStream(examples=int(args.examples), distinct=int(args.distinct),
-                      window=int(args.window), exponent=args.exponent, seed=args.seed)
+                      window=int(args.window), exponent=args.exponent, chunk=args.chunk,
+                      seed=args.seed)
+
+
+def _stream_arrays(args):
+    """The quality part's ids and labels: read from `--stream-file` where the parent drew
+    them once for all its children, else drawn here."""
+    import numpy as np
+
+    if args.stream_file:
+        with np.load(args.stream_file) as saved:
+            return saved["ids"], saved["labels"]
+    return _stream(args).arrays()
 
 
 def auc(labels, scores):
@@ -102,14 +114,15 @@ def _strategy():
             min_shard_bytes=64 << 10, max_shards=NUM_PS))
 
 
-def _table_model(table, rows, distinct, dim, hidden=0):
+def _table_model(table, rows, distinct, dim, hidden=0, min_count=1):
     import keras
 
     import kerasps
 
     inputs = keras.Input((1,), dtype="int64")
     if table == "dynamic":
-        x = kerasps.layers.DynamicEmbedding(dim, capacity=rows, name="items")(inputs)
+        x = kerasps.layers.DynamicEmbedding(dim, capacity=rows, min_count=min_count,
+                                            name="items")(inputs)
     elif table == "hashed":
         x = keras.layers.Embedding(rows, dim)(keras.layers.Hashing(rows)(inputs))
     else:
@@ -123,13 +136,14 @@ def _table_model(table, rows, distinct, dim, hidden=0):
 # -- the parts (in the child process) ---------------------------------------------------------
 def run_quality(table, rows, args):
     import keras
+    import numpy as np
 
     stream = _stream(args)
-    ids, labels = stream.arrays()
+    ids, labels = _stream_arrays(args)
     cut = int(len(ids) * 0.9)
     strategy = _strategy()
     with strategy.scope():
-        model = _table_model(table, rows, stream.distinct, 8)
+        model = _table_model(table, rows, stream.distinct, 8, min_count=args.min_count)
         model.compile(keras.optimizers.Adagrad(0.1), "binary_crossentropy")
     start = time.perf_counter()
     history = model.fit(ids[:cut, None], labels[:cut], batch_size=args.batch, epochs=1,
@@ -137,10 +151,11 @@ def run_quality(table, rows, args):
     seconds = time.perf_counter() - start
     scores = model.predict(ids[cut:, None], batch_size=4096, verbose=0).ravel()
     record = {"part": "quality", "table": table, "rows": rows, "auc": auc(labels[cut:], scores),
-              "train_s": seconds, "examples": len(ids), "distinct_seen": int(len(set(ids))),
-              "tail_distinct": int(len(set(ids[cut:]))),
+              "train_s": seconds, "examples": len(ids), "distinct_seen": len(np.unique(ids)),
+              "tail_distinct": len(np.unique(ids[cut:])),
               "tail_unseen": float(1 - (set_member(ids[cut:], ids[:cut])).mean())}
     if table == "dynamic":
+        record["min_count"] = args.min_count
         record.update({k: history.history[f"items_{k}"][-1] for k in (
             "rows_used", "admitted", "evicted", "hit_rate")})
     strategy.shutdown()
@@ -342,10 +357,11 @@ def _child(args, part, table=None, rows=None, timeout=3600):
 
 def _forwarded(args):
     out = []
-    for name in ("examples", "distinct", "window", "exponent", "seed", "batch", "steps",
-                 "warmup", "spe", "fresh", "memory_rows", "memory_ids", "memory_batch"):
+    for name in ("examples", "distinct", "window", "exponent", "chunk", "min_count", "seed",
+                 "batch", "steps", "warmup", "spe", "fresh", "memory_rows", "memory_ids",
+                 "memory_batch"):
         out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    return out
+    return out + (["--stream-file", args.stream_file] if args.stream_file else [])
 
 
 def _fmt(x, digits=3):
@@ -361,7 +377,8 @@ def report(results, args):
                   f"({sample['distinct_seen']:,} distinct ids seen; {args.distinct:,.0f} in the "
                   f"vocabulary, {args.window:,.0f} live at a time, Zipf {args.exponent}; "
                   f"{sample['tail_unseen']:.1%} of the tail's clicks on ids never trained on)",
-                  "", "| rows C | dynamic | hashed | unbounded (a row per id) | dynamic - hashed "
+                  "", f"| rows C | dynamic (min_count={args.min_count}) | hashed "
+                  "| unbounded (a row per id) | dynamic - hashed "
                   "| dynamic - unbounded | dynamic hit rate (last epoch) | evicted |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|"]
         verdicts = []
@@ -467,6 +484,13 @@ def main(argv=None):
     parser.add_argument("--distinct", type=float, default=4e5)
     parser.add_argument("--window", type=float, default=1e5)
     parser.add_argument("--exponent", type=float, default=1.1)
+    parser.add_argument("--chunk", type=int, default=8192,
+                        help="ids drawn per chunk of the stream (the window moves once a chunk)")
+    parser.add_argument("--stream-file", help=argparse.SUPPRESS)
+    parser.add_argument("--min-count", type=int, default=1,
+                        help="quality: the dynamic table's admission (`min_count`)")
+    parser.add_argument("--tables", nargs="+", default=list(TABLES), choices=TABLES,
+                        help="quality: the tables to run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=256, help="per-worker batch")
     parser.add_argument("--speed-rows", type=float, default=1e5)
@@ -500,10 +524,22 @@ def main(argv=None):
 
     print(f"# dynamic_embedding: parts {args.parts}; load {os.getloadavg()[0]:.2f}", flush=True)
     if "quality" in args.parts:
-        for rows in [int(r) for r in args.rows]:
-            for table in ("dynamic", "hashed"):
-                note(_child(args, "quality", table, rows))
-        note(_child(args, "quality", "unbounded", int(args.distinct)))
+        with tempfile.TemporaryDirectory(prefix="kerasps-stream-") as directory:
+            import numpy as np
+
+            start = time.perf_counter()
+            ids, labels = _stream(args).arrays()
+            args.stream_file = os.path.join(directory, "stream.npz")
+            np.savez(args.stream_file, ids=ids, labels=labels)
+            del ids, labels
+            print(f"   the stream drawn in {time.perf_counter() - start:.0f} s", flush=True)
+            for rows in [int(r) for r in args.rows]:
+                for table in ("dynamic", "hashed"):
+                    if table in args.tables:
+                        note(_child(args, "quality", table, rows))
+            if "unbounded" in args.tables:
+                note(_child(args, "quality", "unbounded", int(args.distinct)))
+            args.stream_file = None
     if "speed" in args.parts:
         for repeat in range(args.repeats):
             for table in ("hashed", "dynamic") if repeat % 2 == 0 else ("dynamic", "hashed"):

@@ -21,10 +21,12 @@ a given ps link rate and number of workers, against the simulator's prediction.
     sudo python benchmarks/network.py throughput --ps-rate 100mbit --ps 2
     sudo python benchmarks/network.py throughput --ps-rate 100mbit --workers 4 --spes 1
     sudo python benchmarks/network.py link --ps-rate 100mbit       # plain TCP, 1/2/4 flows
+    sudo python benchmarks/network.py link --ps-rate 100mbit --both-ways   # and as many in
 
 `link`: the rate plain TCP flows (`benchmarks.netbench.transfer`, 12.5 MB each) reach out
 of one ps task's rate-limited link to 1, 2 and 4 workers at once, with no training: what
-the link itself gives, beside what `throughput` gets through it.
+the link itself gives, beside what `throughput` gets through it; with `--both-ways`, as
+many flows from those workers into the ps task at the same time (reads and gradients).
 """
 
 from __future__ import annotations
@@ -142,39 +144,50 @@ LINK_BYTES = 12_500_000
 LINK_PORT = 5001
 
 
-def link_rates(ps_rate, flows=(1, 2, 4), repeats=2):
-    """Aggregate and per-flow rates (bits/s) of `flows` TCP transfers at once out of one ps
-    task's link of `ps_rate` (workers' links at 1 Gbit/s); one record per run."""
+def link_rates(ps_rate, flows=(1, 2, 4), repeats=2, both_ways=False):
+    """Rates (bits/s) of `flows` TCP transfers at once out of one ps task's link of
+    `ps_rate` to as many workers (their links at 1 Gbit/s), and with `both_ways` as many
+    from those workers into the ps task at the same time, as a training step's reads and
+    gradients load the link; one record per run. A direction's rate: its bytes over the
+    time from its first byte received to its last (the receivers' clocks are one)."""
+    command = [sys.executable, "-m", "benchmarks.netbench.transfer"]
     records = []
     for count in flows:
         for _ in range(repeats):
             with netbench.Bench({"worker": count, "ps": 1}, rate="1gbit",
                                 rates={"ps": ps_rate}, name=BENCH_NAME) as bench:
-                command = [sys.executable, "-m", "benchmarks.netbench.transfer"]
-                receivers = [bench.popen("worker", i, [*command, "recv", "--port", str(LINK_PORT),
-                                                      "--bytes", str(LINK_BYTES)],
-                                         stdout=subprocess.PIPE, text=True, cwd=ROOT)
+                # (direction, receiving task, sending task, port) of each flow
+                plan = [("out", ("worker", i), ("ps", 0), LINK_PORT) for i in range(count)]
+                if both_ways:
+                    plan += [("in", ("ps", 0), ("worker", i), LINK_PORT + 1 + i)
                              for i in range(count)]
+                receivers = [bench.popen(*to, [*command, "recv", "--port", str(port), "--bytes",
+                                               str(LINK_BYTES)],
+                                         stdout=subprocess.PIPE, text=True, cwd=ROOT)
+                             for _, to, _, port in plan]
                 for receiver in receivers:
                     if receiver.stdout.readline().strip() != "listening":
                         raise RuntimeError("a receiver did not start")
-                start = time.perf_counter()
-                senders = [bench.popen("ps", 0, [*command, "send", "--host",
-                                                 bench.address("worker", i), "--port",
-                                                 str(LINK_PORT), "--bytes", str(LINK_BYTES)],
+                senders = [bench.popen(*by, [*command, "send", "--host", bench.address(*to),
+                                             "--port", str(port), "--bytes", str(LINK_BYTES)],
                                        stdout=subprocess.DEVNULL, cwd=ROOT)
-                           for i in range(count)]
+                           for _, to, by, port in plan]
                 for process in senders + receivers:
                     process.wait(timeout=120)
-                seconds = time.perf_counter() - start
                 results = [json.loads(r.stdout.read().strip().splitlines()[-1])
                            for r in receivers]
-            records.append({"mode": "link", "ps_rate": ps_rate, "flows": count,
-                            "aggregate_bits_per_s": count * LINK_BYTES * 8 / seconds,
-                            "flow_bits_per_s": [r["bytes"] * 8 / r["seconds"] for r in results]})
-            print(f"  {count} flow(s): {records[-1]['aggregate_bits_per_s'] / 1e6:.1f} Mbit/s "
-                  "together (connection set-up included), each "
-                  + ", ".join(f"{x / 1e6:.1f}" for x in records[-1]["flow_bits_per_s"]),
+            record = {"mode": "link", "ps_rate": ps_rate, "flows": count,
+                      "both_ways": both_ways}
+            for direction in ("out", "in") if both_ways else ("out",):
+                got = [r for (d, *_), r in zip(plan, results) if d == direction]
+                span = max(r["last_at"] for r in got) - min(r["first_at"] for r in got)
+                record[f"{direction}_bits_per_s"] = sum(r["bytes"] for r in got) * 8 / span
+                record[f"{direction}_flow_bits_per_s"] = [r["bytes"] * 8 / r["seconds"]
+                                                          for r in got]
+            records.append(record)
+            print(f"  {count} flow(s) out" + (f" and {count} in" if both_ways else "") + ": "
+                  + ", ".join(f"{d} {record[f'{d}_bits_per_s'] / 1e6:.1f} Mbit/s"
+                              for d in ("out", "in") if f"{d}_bits_per_s" in record),
                   flush=True)
     return records
 
@@ -402,6 +415,8 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=NUM_WORKERS, help="throughput")
     parser.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
                         help="a sysctl set in every task's namespace (repeatable)")
+    parser.add_argument("--both-ways", action="store_true",
+                        help="link: as many flows into the ps task as out of it, at once")
     parser.add_argument("--placements", nargs="+", default=["round_robin", "greedy"])
     parser.add_argument("--spes", type=int, nargs="+", default=[1, 10])
     parser.add_argument("--batch", type=int, default=32)
@@ -432,9 +447,10 @@ def main(argv=None):
         print(f"network.py: {reason}", file=sys.stderr)
         return 2
     if args.mode == "link":
-        print(f"# network.py link: plain TCP out of a ps link of {args.ps_rate or args.rate}; "
+        print(f"# network.py link: plain TCP out of{' and into' if args.both_ways else ''} a ps "
+              f"link of {args.ps_rate or args.rate}; "
               f"load average {os.getloadavg()[0]:.1f}", flush=True)
-        records = link_rates(args.ps_rate or args.rate)
+        records = link_rates(args.ps_rate or args.rate, both_ways=args.both_ways)
         if args.json:
             with open(args.json, "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in records)

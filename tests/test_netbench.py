@@ -175,6 +175,19 @@ def test_rate_limit_holds_within_10_percent(bench, src, dst):
     assert got["bytes"] * 8 / got["seconds"] > 1.5 * 100e6
 
 
+def test_link_mode_loads_both_directions_of_the_ps_link_at_once():
+    """`network.py link --both-ways`: as many flows into the ps task as out of it, at the
+    same time; each direction's rate from its receivers' first and last byte."""
+    import benchmarks.network as network
+
+    (record,) = network.link_rates("100mbit", flows=(1,), repeats=1, both_ways=True)
+    assert record["both_ways"] and record["flows"] == 1
+    for direction in ("out", "in"):
+        assert 0.2 * 100e6 < record[f"{direction}_bits_per_s"] <= 1.1 * 100e6, record
+        assert len(record[f"{direction}_flow_bits_per_s"]) == 1
+    assert netbench.leftovers(network.BENCH_NAME) == []  # torn down
+
+
 def test_link_cut_and_restored(bench):
     nbytes = 12_500_000  # 1 s at 100 Mbit/s
     cut = 5.0

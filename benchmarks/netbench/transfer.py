@@ -4,8 +4,10 @@
     python -m benchmarks.netbench.transfer send --host 10.77.0.2 --port 5001 --bytes 12500000
 
 `recv` prints `listening` once it accepts connections, `first-byte` when data starts, and
-at the end one JSON line: `{"bytes": ..., "seconds": ...}`, the seconds from the first
-byte received to the last (the link's steady rate, not the connection's setup).
+at the end one JSON line: `{"bytes": ..., "seconds": ..., "first_at": ..., "last_at": ...}`,
+the seconds from the first byte received to the last (the link's steady rate, not the
+connection's setup) and those two instants (`time.time()`: the bench's namespaces share the
+clock, so flows received in several of them can be put on one time line).
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ def recv(port: int, nbytes: int, timeout: float) -> dict:
                 data = conn.recv(CHUNK)
                 if not data:
                     break
-                last = time.perf_counter()
+                last = time.time()
                 if first is None:
                     first = last
                     print("first-byte", flush=True)
                 got += len(data)
-    return {"bytes": got, "seconds": (last - first) if first is not None else 0.0}
+    return {"bytes": got, "seconds": (last - first) if first is not None else 0.0,
+            "first_at": first, "last_at": last}
 
 
 def send(host: str, port: int, nbytes: int, timeout: float) -> dict:
