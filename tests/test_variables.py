@@ -37,8 +37,17 @@ def train_dense_keras(model, optimizer, batches):
         optimizer.apply([tf.convert_to_tensor(g) for g in gradients], model.trainable_variables)
 
 
+# Adam on a shard is TensorFlow's fused `ResourceApplyAdam`: Keras' formula, rounded
+# otherwise. After 3 steps at a learning rate of 0.1 it is ~2e-6 from Keras' float32 ops
+# (and 3e-7 from the formula in float64, where Keras' ops are 2e-6 off). A row whose
+# gradient nearly vanishes in a step can differ by ~1.6e-5 (seen once in CI, with weights
+# drawn at random), so the weights are seeded and Adam's tolerance allows for rounding.
+TOLERANCE = {"sgd": dict(rtol=1e-5, atol=1e-6), "adam": dict(rtol=1e-4, atol=1e-5)}
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_training_on_shards_matches_single_process_keras(strategy, optimizer):
+    keras.utils.set_random_seed(7)
     reference = build()
     make = {"sgd": lambda: keras.optimizers.SGD(0.5), "adam": lambda: keras.optimizers.Adam(0.1)}
     with strategy.scope():
@@ -54,9 +63,9 @@ def test_training_on_shards_matches_single_process_keras(strategy, optimizer):
         model.train_on_batch(IDS, LABELS)
 
     np.testing.assert_allclose(model.layers[0].embeddings.numpy(),
-                               reference.layers[0].embeddings.numpy(), rtol=1e-5, atol=1e-6)
+                               reference.layers[0].embeddings.numpy(), **TOLERANCE[optimizer])
     np.testing.assert_allclose(model.layers[2].kernel.numpy(), reference.layers[2].kernel.numpy(),
-                               rtol=1e-5, atol=1e-6)
+                               **TOLERANCE[optimizer])
     # Rows no batch touched keep their initial value (updates were sparse).
     untouched = [2, 6, 7]
     np.testing.assert_array_equal(model.layers[0].embeddings.numpy()[untouched],

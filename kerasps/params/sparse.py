@@ -239,7 +239,9 @@ def _adam_in_one_pass(optimizer, gradient, variable, learning_rate, weight_decay
     The same arithmetic as `keras.optimizers.Adam.update_step` (every row and
     both slots move), in one pass over the shard and its slots on its ps task
     instead of one per Keras op; the row update becomes dense there, never on
-    the worker. Returns `False` (Keras' update runs instead) with `amsgrad`,
+    the worker. Its rounding differs: ~2e-6 from Keras' float32 ops after 3
+    steps at a learning rate of 0.1, and closer than they are to the formula in
+    float64. Returns `False` (Keras' update runs instead) with `amsgrad`,
     weight decay to apply first, or slots that are not on the shard's device
     (an optimizer built outside the strategy's scope).
     """
