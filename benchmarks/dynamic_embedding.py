@@ -138,12 +138,11 @@ def run_quality(table, rows, args):
     import keras
     import numpy as np
 
-    stream = _stream(args)
     ids, labels = _stream_arrays(args)
     cut = int(len(ids) * 0.9)
     strategy = _strategy()
     with strategy.scope():
-        model = _table_model(table, rows, stream.distinct, 8, min_count=args.min_count)
+        model = _table_model(table, rows, int(args.distinct), 8, min_count=args.min_count)
         model.compile(keras.optimizers.Adagrad(0.1), "binary_crossentropy")
     start = time.perf_counter()
     history = model.fit(ids[:cut, None], labels[:cut], batch_size=args.batch, epochs=1,

@@ -90,10 +90,9 @@ class ZipfStream:
         first, weights = 0, np.empty(0)  # the live ids' weights from id `first` on
         for c in range(self.num_chunks):
             start = self.window_start(c)
-            kept = weights[start - first:]
-            joined = np.arange(start + len(kept), start + self.window, dtype=np.int64)
-            first, weights = start, np.concatenate((kept, self.popularity(joined)))
             live = np.arange(start, start + self.window, dtype=np.int64)
+            kept = weights[start - first:]
+            first, weights = start, np.concatenate((kept, self.popularity(live[len(kept):])))
             size = min(self.chunk, self.examples - c * self.chunk)
             yield rng.choice(live, size=size, p=weights / weights.sum())
 
