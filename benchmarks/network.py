@@ -199,37 +199,58 @@ def _config(record):
             record.get("workers", NUM_WORKERS))
 
 
-# The link models compared: (name, `[network] duplex`, `[network] sharing`).
+# The link models compared: (name, `[network] duplex`, `[network] sharing`), and with link
+# records, `LOADED` (its `duplex_efficiency` measured by `link --both-ways`).
 MODELS = (("half duplex", "half", "queue"), ("full duplex", "full", "queue"),
           ("full duplex, fair", "full", "fair"))
+LOADED = ("full duplex, loaded both ways", "full", "queue")
 
 
-def _scenario(record, step_time, overhead, duplex, sharing="queue"):
+def duplex_efficiencies(link_records):
+    """Per ps link rate, the share of its one-way rate a direction of the link keeps while
+    the other direction carries data too: over the `link --both-ways` runs, the median of
+    each run's slower direction (both carry a step's bytes, so the slower sets the pace),
+    over the median of the one-way runs. Rates without both kinds of run are left out."""
+    efficiencies = {}
+    for rate in {r["ps_rate"] for r in link_records}:
+        runs = [r for r in link_records if r["ps_rate"] == rate]
+        both = [min(r["out_bits_per_s"], r["in_bits_per_s"]) for r in runs if r["both_ways"]]
+        one = [r["out_bits_per_s"] for r in runs if not r["both_ways"]]
+        if both and one:
+            efficiencies[rate] = min(1.0, statistics.median(both) / statistics.median(one))
+    return efficiencies
+
+
+def _scenario(record, step_time, overhead, duplex, sharing="queue", efficiencies=None):
     """The simulator's scenario of `record`'s run: its variables (as the placement report
     names them, in creation order) placed by the same policy, its workers of constant step
     time, ps links of the record's rate less the framing `overhead` (wire / variable bytes),
-    ps contention, no latency, the link model `duplex` and `sharing`."""
+    ps contention, no latency, the link model `duplex` and `sharing`, and with
+    `efficiencies` (per rate, `duplex_efficiencies`) the loss of a link loaded both ways
+    (none at a rate not measured)."""
     import simulator
 
-    bandwidth = netbench.parse_rate(record["ps_rate"] or record["rate"]) / 8 / overhead
+    rate = record["ps_rate"] or record["rate"]
+    bandwidth = netbench.parse_rate(rate) / 8 / overhead
     return simulator.Scenario.from_dict({
         "name": "netbench", "seed": 0,
         "workers": {"count": record.get("workers", NUM_WORKERS),
                     "step_time": {"distribution": "constant", "value": step_time}},
         "ps": {"count": record["ps"], "contention": True},
         "network": {"bandwidth": bandwidth, "latency": 0.0, "duplex": duplex,
-                    "sharing": sharing},
+                    "sharing": sharing,
+                    "duplex_efficiency": (efficiencies or {}).get(rate, 1.0)},
         "training": {"mode": "async", "steps": 400},
         "model": {"placement": record["placement"],
                   "variables": [{"name": name, "shape": [max(1, nbytes // 4)]}
                                 for name, nbytes, _ in record["variables"]]}})
 
 
-def _simulate(record, step_time, overhead, duplex, sharing="queue"):
+def _simulate(record, step_time, overhead, duplex, sharing="queue", efficiencies=None):
     import simulator
 
-    return simulator.run(_scenario(record, step_time, overhead, duplex,
-                                   sharing)).steps_per_second
+    return simulator.run(_scenario(record, step_time, overhead, duplex, sharing,
+                                   efficiencies)).steps_per_second
 
 
 def _overhead(record):
@@ -238,14 +259,15 @@ def _overhead(record):
     return sent / record["steps"] / sum(nbytes for _, nbytes, _ in record["variables"])
 
 
-def calibrate(record, duplex, sharing="queue"):
+def calibrate(record, duplex, sharing="queue", efficiencies=None):
     """The constant step time (compute and everything off the ps links) for which the
     simulator reproduces `record`'s throughput, with its measured framing overhead."""
     overhead = _overhead(record)
     lo, hi = 1e-5, 10.0
     for _ in range(40):  # throughput falls as the step time grows: bisect (geometrically)
         mid = (lo * hi) ** 0.5
-        if _simulate(record, mid, overhead, duplex, sharing) > record["steps_per_s"]:
+        if _simulate(record, mid, overhead, duplex, sharing,
+                     efficiencies) > record["steps_per_s"]:
             lo = mid
         else:
             hi = mid
@@ -265,26 +287,35 @@ def _merged(records):
     return sorted(merged, key=lambda r: (-netbench.parse_rate(_config(r)[0]), *_config(r)[1:]))
 
 
-def predict_table(records, calibration, models=MODELS):
+def predict_table(records, calibration, models=MODELS, links=None):
     """A markdown table of `records`' measured throughput beside the simulator's, for each
     link model of `models`, calibrated on the configuration `calibration` (ps link rate,
-    ps tasks, placement, steps_per_execution, workers); the last row: each model's largest error
-    over the rows other than the calibration's."""
+    ps tasks, placement, steps_per_execution, workers); with `links` (records of `link`
+    runs), also the model `LOADED`, whose links lose what `duplex_efficiencies` measured in
+    them; the last row: each model's largest error over the rows other than the
+    calibration's."""
     records = _merged(records)
     base = [r for r in records if _config(r) == calibration]
     if not base:
         raise SystemExit(f"no record of the calibration configuration {calibration}; "
                          f"have {[_config(r) for r in records]}")
-    fits = {name: calibrate(base[0], duplex, sharing) for name, duplex, sharing in models}
-    steps = " / ".join(f"{fits[name][0] * 1000:.1f} ms ({name})" for name, _, _ in models)
+    efficiencies = duplex_efficiencies(links) if links else {}
+    models = [(*m, None) for m in models] + ([(*LOADED, efficiencies)] if links else [])
+    fits = {name: calibrate(base[0], duplex, sharing, loss)
+            for name, duplex, sharing, loss in models}
+    steps = " / ".join(f"{fits[name][0] * 1000:.1f} ms ({name})" for name, *_ in models)
+    measured = "; ".join(f"{rate} links keep {e:.3f} of their rate each way when loaded both "
+                         "ways (`link --both-ways`), other rates none"
+                         for rate, e in sorted(efficiencies.items()))
     lines = [f"Calibrated on {calibration[0]}, {calibration[1]} ps, {calibration[2]}, "
              f"spe {calibration[3]}, {calibration[4]} workers: "
              f"framing overhead {fits[models[0][0]][1]:.3f}, "
-             f"step time {steps}.", "",
+             f"step time {steps}." + (f" {measured[0].upper()}{measured[1:]}." if measured
+                                      else ""), "",
              "| ps link | ps tasks | workers | placement | spe "
              "| bytes out of the busiest ps KiB/step "
              "| measured steps/s (runs) | "
-             + " | ".join(f"simulator, {name} | error" for name, _, _ in models) + " |",
+             + " | ".join(f"simulator, {name} | error" for name, *_ in models) + " |",
              "|---|---:|---:|---|---:|---:|---:|" + "---:|---:|" * len(models)]
     worst = dict.fromkeys(fits, 0.0)
     at_calibration = {}  # each model's prediction of the calibration run
@@ -293,9 +324,9 @@ def predict_table(records, calibration, models=MODELS):
         is_calibration = _config(r) == calibration
         busiest = max(c["tx_bytes"] for ns, c in r["counters"].items() if "-ps-" in ns)
         cells = []
-        for name, duplex, sharing in models:
+        for name, duplex, sharing, loss in models:
             step_time, overhead = fits[name]
-            predicted = _simulate(r, step_time, overhead, duplex, sharing)
+            predicted = _simulate(r, step_time, overhead, duplex, sharing, loss)
             error = predicted / r["steps_per_s"] - 1
             if is_calibration:
                 at_calibration[name] = predicted
@@ -308,8 +339,8 @@ def predict_table(records, calibration, models=MODELS):
                      f"| {spe} | {busiest / r['steps'] / 1024:.0f} "
                      f"| {r['steps_per_s']:.2f} ({runs}) | {' | '.join(cells)} |")
     lines.append("| largest error, other rows | | | | | | | "
-                 + " | ".join(f" | {worst[name]:.0%}" for name, _, _ in models) + " |")
-    for name, _, _ in models:
+                 + " | ".join(f" | {worst[name]:.0%}" for name, *_ in models) + " |")
+    for name, *_ in models:
         fastest = at_calibration[name]
         if fastest < 0.99 * base[0]["steps_per_s"]:
             lines.append(f"\n{name}: even with no step time the model gives {fastest:.2f} "
@@ -423,6 +454,8 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--json", help="append the records to this file (JSON lines); "
                         "with predict, the throughput records to read")
+    parser.add_argument("--links", help="predict: records of `link` runs (JSON lines), for "
+                        "the model of links loaded both ways")
     parser.add_argument("--calibrate", default="1gbit,2,greedy,1",
                         help="predict: the configuration the simulator is calibrated on "
                         "(ps link rate, ps tasks, placement, steps_per_execution[, workers])")
@@ -435,8 +468,13 @@ def main(argv=None):
             with open(path) as f:
                 records += [r for r in map(json.loads, f) if r["mode"] == "throughput"]
         rate, num_ps, placement, spe, *workers = args.calibrate.split(",")
+        links = None
+        if args.links:
+            with open(args.links) as f:
+                links = [r for r in map(json.loads, f) if r["mode"] == "link"]
         print(predict_table(records, (rate, int(num_ps), placement, int(spe),
-                                      int(workers[0]) if workers else NUM_WORKERS)))
+                                      int(workers[0]) if workers else NUM_WORKERS),
+                            links=links))
         return 0
     if args.chief:
         spaces = json.loads(os.environ["NETBENCH_SPACES"])

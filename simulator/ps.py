@@ -40,13 +40,14 @@ class ParameterServer:
             gradient, serve the read); with contention, this plus the wire
             time is how long a step holds `resource`.
         resource: a capacity-1 simpy `Resource` when ps contention is modelled: the
-            task's link (with a full-duplex `[network]`, its inbound direction: the
-            gradients, and the apply).
-        uplink: with contention, the outbound direction of a full-duplex link (reads).
-        inlink: with contention and `[network] sharing = "fair"`, the `Link` of its
-            inbound direction (gradients); `None` otherwise.
-        outlink: likewise its outbound direction (reads): `inlink` itself when the link
-            is half duplex.
+            task's link (with a full-duplex `[network]`, the turn of its inbound
+            direction: a gradient, then its apply).
+        uplink: with contention, the turn of the outbound direction of a full-duplex
+            link (a read at a time, with `sharing = "queue"`).
+        inlink: with contention and a full-duplex link or `sharing = "fair"`, the `Link`
+            that carries its inbound bytes (gradients); `None` otherwise.
+        outlink: likewise its outbound bytes (reads): `inlink` itself when the link is
+            half duplex.
         up: `False` while it is down after a crash.
         busy: seconds spent serving (contention mode only; otherwise derived).
     """
@@ -60,7 +61,7 @@ class ParameterServer:
                              else self.step_bytes / spec.service_rate)
         self.resource = simpy.Resource(env, capacity=1) if spec.contention else None
         self.uplink = simpy.Resource(env, capacity=1) if spec.contention else None
-        self.inlink = self.outlink = None  # set by the cluster with fair sharing
+        self.inlink = self.outlink = None  # set by the cluster (`simulator.link`)
         self.up = True
         self.busy = 0.0
         self.process: simpy.Process | None = None

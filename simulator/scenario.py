@@ -151,12 +151,17 @@ class NetworkSpec:
             `"fair"`: all at once, each at an equal share of the rate (processor
             sharing, as concurrent TCP flows through one bottleneck), so two equal
             transfers that start together end together, after twice the time of one.
+        duplex_efficiency: with a full-duplex link, the share of its rate a direction
+            keeps while the other direction carries bytes too (1: none lost). Measure it
+            by loading both directions with plain TCP flows (`benchmarks/network.py link
+            --both-ways`); on the network bench's `tbf` links it is about 0.73.
     """
 
     bandwidth: float = math.inf
     latency: float = 0.0
     duplex: str = "half"
     sharing: str = "queue"
+    duplex_efficiency: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,11 +458,17 @@ def _parse(data: dict, source: str | None, base_dir: str | None) -> Scenario:
                                              allow_inf=True),
                           latency=n.number("latency", 0.0, non_negative=True),
                           duplex=n.string("duplex", "half"),
-                          sharing=n.string("sharing", "queue"))
+                          sharing=n.string("sharing", "queue"),
+                          duplex_efficiency=n.number("duplex_efficiency", 1.0, positive=True,
+                                                    maximum=1.0))
     if network.duplex not in ("half", "full"):
         raise n.error("duplex", network.duplex, "expected one of ['half', 'full']")
     if network.sharing not in ("queue", "fair"):
         raise n.error("sharing", network.sharing, "expected one of ['fair', 'queue']")
+    if network.duplex_efficiency < 1 and network.duplex != "full":
+        raise n.error("duplex_efficiency", network.duplex_efficiency,
+                      "a half-duplex link never carries both directions at once; "
+                      "set `network.duplex = \"full\"`")
     n.finish()
 
     model = _parse_model(top.table("model", {}), ps.count)

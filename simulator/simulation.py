@@ -10,8 +10,8 @@ import numpy as np
 import simpy
 
 from simulator import elastic, failures
+from simulator import link as link_lib
 from simulator.coordinator import Coordinator, coordinator
-from simulator.link import Link
 from simulator.metrics import Metrics, Result
 from simulator.network import Network
 from simulator.ps import ParameterServer, place_variables, ps
@@ -56,11 +56,14 @@ class Cluster:
         for server in self.servers:
             server.process = env.process(ps(env, server, self.coordinator))
         self.network = Network(scenario.network)
-        if scenario.ps.contention and scenario.network.sharing == "fair":
+        n = scenario.network
+        if scenario.ps.contention and n.duplex == "full":
             for server in self.servers:
-                server.inlink = Link(env, scenario.network.bandwidth)
-                server.outlink = (Link(env, scenario.network.bandwidth)
-                                  if scenario.network.duplex == "full" else server.inlink)
+                server.inlink, server.outlink = link_lib.duplex(env, n.bandwidth,
+                                                                n.duplex_efficiency)
+        elif scenario.ps.contention and n.sharing == "fair":
+            for server in self.servers:
+                server.inlink = server.outlink = link_lib.Link(env, n.bandwidth)
         self.cpu = (simpy.Resource(env, capacity=scenario.host.cpus)
                     if scenario.host.cpus else None)
         self.running = True
@@ -113,16 +116,16 @@ class Cluster:
             def read(server):  # full duplex: out of the ps task
                 with server.uplink.request() as request:
                     yield request
-                    yield env.timeout(self.network.wire_time(server.step_bytes))
+                    yield server.outlink.transfer(server.step_bytes)
                 if latency:
                     yield env.timeout(latency / 2)
 
             def send(server):  # full duplex: into the ps task, and the apply
                 with server.resource.request() as request:
                     yield request
-                    hold = self.network.wire_time(server.step_bytes) + server.service_time
-                    yield env.timeout(hold)
-                    server.busy += hold
+                    yield server.inlink.transfer(server.step_bytes)
+                    yield env.timeout(server.service_time)
+                    server.busy += server.service_time
                 if latency:
                     yield env.timeout(latency / 2)
 
@@ -223,7 +226,7 @@ class Cluster:
         ps_rows = []
         for server in self.servers:
             busy = server.busy if s.ps.contention else completed * server.service_time
-            if server.inlink is not None:  # fair sharing: the busier direction, and the applies
+            if server.inlink is not None:  # the busier direction, and the applies
                 busy += max(server.inlink.busy, server.outlink.busy)
             ps_rows.append({"index": server.index, "bytes": server.nbytes,
                             "traffic_bytes": 2 * server.step_bytes * completed,

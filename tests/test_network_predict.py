@@ -15,16 +15,17 @@ VARIABLES = [["dense_1/kernel", MIB, 0], ["dense_1/bias", 2048, 1],
              ["dense_2/kernel", MIB, 0], ["dense_2/bias", 2048, 1]]
 
 
-def _record(rate, placement, step_time, duplex, sharing, workers=2):
+def _record(rate, placement, step_time, duplex, sharing, workers=2, efficiencies=None):
     """A bench record of `workers` workers whose throughput is the simulator's own, with
-    `duplex` and `sharing` links and no framing."""
+    `duplex` and `sharing` links (losing `efficiencies`, per rate) and no framing."""
     held = {"round_robin": (2 * MIB, 4096), "greedy": (MIB + 2048, MIB + 2048)}[placement]
     record = {"mode": "throughput", "rate": "1gbit", "ps_rate": rate, "ps": 2,
               "placement": placement, "spe": 1, "steps": 10, "variables": VARIABLES,
               "workers": workers,
               "counters": {f"kps-net-ps-{i}": {"tx_bytes": 10 * b} for i, b in
                            enumerate(held)}}
-    record["steps_per_s"] = network._simulate(record, step_time, 1.0, duplex, sharing)
+    record["steps_per_s"] = network._simulate(record, step_time, 1.0, duplex, sharing,
+                                              efficiencies)
     return record
 
 
@@ -82,3 +83,44 @@ def test_the_committed_bench_records_make_the_published_prediction_tables():
     assert sorted({row[2] for row in rows}) == ["1", "2", "3", "4"]  # workers
     calibration = [row for row in rows if "(calibration)" in row[3]]
     assert len(calibration) == 1 and calibration[0][8] in {"+0%", "-0%"}, table
+
+
+def _link(rate, out, into=None):
+    record = {"mode": "link", "ps_rate": rate, "flows": 1, "both_ways": into is not None,
+              "out_bits_per_s": out * 1e6}
+    if into is not None:
+        record["in_bits_per_s"] = into * 1e6
+    return record
+
+
+def test_the_loss_of_a_link_loaded_both_ways_is_its_slower_direction_over_one_way():
+    links = [_link("100mbit", 96), _link("100mbit", 94),  # one way: median 95
+             _link("100mbit", 60, 90), _link("100mbit", 90, 76), _link("100mbit", 95, 95),
+             _link("1gbit", 900)]  # no run both ways: no figure
+    # Slower directions 60, 76, 95: median 76, over 95.
+    assert network.duplex_efficiencies(links) == {"100mbit": pytest.approx(0.8)}
+    assert network.duplex_efficiencies([_link("1gbit", 900), _link("1gbit", 950, 990)]) == {
+        "1gbit": 1.0}  # never above the one-way rate
+
+
+def test_with_link_records_the_loaded_link_model_predicts_its_own_records():
+    """`predict --links`: a fourth model, full duplex whose directions lose what the link
+    runs measured, only at the rate they measured; it predicts records made with that loss
+    exactly, where the full-duplex model without it misses the rows that load both ways."""
+    loss = {"100mbit": 0.8}
+    records = [_record(rate, placement, 0.02, "full", "queue", workers=w, efficiencies=loss)
+               for rate in ("1gbit", "100mbit") for placement in ("greedy", "round_robin")
+               for w in (1, 2)]
+    links = [_link("100mbit", 95), _link("100mbit", 76, 90)]
+    table = network.predict_table(records, ("1gbit", 2, "greedy", 1, 2), links=links)
+    assert "100mbit links keep 0.800 of their rate each way" in table
+    lines = table.splitlines()
+    assert "simulator, full duplex, loaded both ways" in lines[2]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in lines if line.startswith(("| 1gbit", "| 100mbit"))]
+    assert len(rows) == 8
+    assert {row[8 + 2 * 3] for row in rows} <= {"+0%", "-0%"}, table
+    # Without the loss the 2-worker 100 Mbit/s rows come out too fast; one worker never
+    # loads both directions at once, so its rows agree.
+    missed = {(row[0], row[2]) for row in rows if row[8 + 2 * 1] not in {"+0%", "-0%"}}
+    assert ("100mbit", "2") in missed and ("100mbit", "1") not in missed, table

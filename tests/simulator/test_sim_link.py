@@ -1,9 +1,11 @@
-"""Fair sharing of a ps task's link (`[network] sharing = "fair"`): closed forms."""
+"""A ps task's link: fair sharing (`[network] sharing = "fair"`) and the loss of a duplex
+link loaded both ways (`duplex_efficiency`): closed forms."""
 
 import pytest
 import simpy
 
 import simulator
+from simulator import link as link_lib
 from simulator.link import Link
 
 from .builders import make
@@ -154,3 +156,81 @@ def test_sharing_defaults_to_queue_and_is_validated():
         "'queue']. Received: network.sharing='round_robin'")
     with pytest.raises(simulator.ScenarioError, match="network.sharing=3"):
         make(1, network={"sharing": 3})
+
+
+def _both_ways(out_transfers, in_transfers, duplex_efficiency):
+    """When each `(start, nbytes)` transfer ends on the two directions of one link of 1e6
+    B/s whose directions keep `duplex_efficiency` of it while both carry bytes."""
+    env = simpy.Environment()
+    out, into = link_lib.duplex(env, 1e6, duplex_efficiency)
+    ends = {}
+
+    def sender(key, direction, start, nbytes):
+        yield env.timeout(start)
+        yield direction.transfer(nbytes)
+        ends[key] = env.now
+
+    for name, direction, transfers in (("out", out, out_transfers), ("in", into, in_transfers)):
+        for i, (start, nbytes) in enumerate(transfers):
+            env.process(sender((name, i), direction, start, nbytes))
+    env.run(until=1000)
+    return ends, out, into
+
+
+def test_the_directions_of_a_duplex_link_slow_each_other_only_while_both_carry_bytes():
+    # Out: 2e6 bytes from 0 s; in: 0.5e6 from 0.5 s; each keeps half its rate while both
+    # carry bytes. 0-0.5 s: out alone (0.5e6); 0.5-1.5 s: both at 0.5e6 B/s (the inbound
+    # transfer ends, out has moved 1e6); 1.5-2.5 s: out alone again for its last 1e6.
+    ends, out, into = _both_ways([(0.0, 2e6)], [(0.5, 0.5e6)], duplex_efficiency=0.5)
+    assert ends == {("out", 0): pytest.approx(2.5), ("in", 0): pytest.approx(1.5)}
+    assert (out.busy, into.busy) == (pytest.approx(2.5), pytest.approx(1.0))
+    # With no loss the directions are independent (the model before `duplex_efficiency`).
+    ends, _, _ = _both_ways([(0.0, 2e6)], [(0.5, 0.5e6)], duplex_efficiency=1.0)
+    assert ends == {("out", 0): pytest.approx(2.0), ("in", 0): pytest.approx(1.0)}
+
+
+def test_the_loss_applies_to_the_direction_as_a_whole_not_to_each_transfer():
+    # Two transfers out (1e6 bytes each) share the direction's 0.5e6 B/s while one of 1e6
+    # comes in, all from 0 s: the inbound one ends at 2 s; by then the two outbound ones
+    # have moved 0.5e6 each, and their last 1e6 together take 1 s at the full rate: 3 s.
+    ends, _, _ = _both_ways([(0.0, 1e6), (0.0, 1e6)], [(0.0, 1e6)], duplex_efficiency=0.5)
+    assert ends == {("out", 0): pytest.approx(3.0), ("out", 1): pytest.approx(3.0),
+                    ("in", 0): pytest.approx(2.0)}
+
+
+def test_two_workers_pipelined_on_a_duplex_link_pay_its_loss_one_worker_does_not():
+    def run(workers, sharing, duplex_efficiency):
+        return simulator.run(make(
+            workers, {"distribution": "constant", "value": 1e-6}, model=ONE_MB,
+            ps={"contention": True},
+            network={"bandwidth": 1e6, "duplex": "full", "sharing": sharing,
+                     "duplex_efficiency": duplex_efficiency},
+            training={"steps": 200})).steps_per_second
+
+    # Queue: one worker's read overlaps the other's gradient, each at half the rate: 2 s
+    # each, 4 s a step per worker, 0.5 steps/s (1.0 with no loss, as above).
+    assert run(2, "queue", 0.5) == pytest.approx(0.5, rel=0.02)
+    assert run(2, "queue", 0.8) == pytest.approx(0.8, rel=0.02)
+    # One worker reads, then sends: one direction at a time, nothing lost (0.5 steps/s).
+    assert run(1, "queue", 0.5) == pytest.approx(0.5, rel=0.01)
+    # Fair sharing keeps two workers that start together in phase: both read, then both
+    # send, never both directions at once, so the loss does not apply.
+    assert run(2, "fair", 0.5) == pytest.approx(0.5, rel=0.01)
+
+
+def test_duplex_efficiency_defaults_to_no_loss_and_is_validated():
+    assert make(1).network.duplex_efficiency == 1.0
+    full = {"duplex": "full"}
+    assert make(1, network={**full, "duplex_efficiency": 0.7}).network.duplex_efficiency == 0.7
+    with pytest.raises(simulator.ScenarioError, match=r"at most 1.0\. Received: "
+                       r"network.duplex_efficiency=1.5"):
+        make(1, network={**full, "duplex_efficiency": 1.5})
+    with pytest.raises(simulator.ScenarioError, match=r"positive\. Received: "
+                       r"network.duplex_efficiency=0"):
+        make(1, network={**full, "duplex_efficiency": 0})
+    with pytest.raises(simulator.ScenarioError) as error:
+        make(1, network={"duplex_efficiency": 0.7})
+    assert str(error.value) == (
+        "Invalid value for `network.duplex_efficiency` in test.toml: a half-duplex link "
+        'never carries both directions at once; set `network.duplex = "full"`. Received: '
+        "network.duplex_efficiency=0.7")
