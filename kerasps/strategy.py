@@ -213,12 +213,6 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         max_staleness: async only: the most updates a gradient may be behind
             when applied; the coordinator holds back fast workers instead
             (stale synchronous parallel). `None` (default): unbounded.
-        measure_staleness: async only: `True` (default): every step adds its
-            gradient's staleness (updates applied since it read the weights) to
-            a counter on a ps task, and `fit` reports the epoch's mean as
-            `staleness` in its batch and epoch logs. `False` drops that update
-            and the log entry, about 0.5 ms of CPU per step on a small model
-            (`benchmarks/README.md`). `max_staleness` does not need it.
         step_timeout: sync only: seconds a global step waits for its
             gradients (a worker lost with no backup to replace it, and not
             restarted) before `fit` fails naming the workers that do not
@@ -232,14 +226,20 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         min_workers_timeout: seconds `fit` holds training below `min_workers`
             before it fails with `kerasps.membership.TooFewWorkersError`.
             Default 600.
+        measure_staleness: async only: `True` (default): every step adds its
+            gradient's staleness (updates applied since it read the weights) to
+            a counter on a ps task, and `fit` reports the epoch's mean as
+            `staleness` in its batch and epoch logs. `False` drops that update
+            and the log entry, about 0.5 ms of CPU per step on a small model
+            (`benchmarks/README.md`). `max_staleness` does not need it.
     """
 
     _is_kerasps = True
 
     def __init__(self, cluster_resolver, variable_partitioner=None, placement="round_robin",
                  sparse_updates="exact", mode="async", backup_workers=0, max_staleness=None,
-                 measure_staleness=True, step_timeout=600.0, min_workers=None,
-                 min_workers_timeout=600.0):
+                 step_timeout=600.0, min_workers=None, min_workers_timeout=600.0,
+                 measure_staleness=True):
         _validate_resolver(cluster_resolver)
         self._sparse_updates = sparse_lib.validate_mode(sparse_updates)
         num_workers = len(cluster_resolver.cluster_spec().as_dict()["worker"])

@@ -219,3 +219,15 @@ def test_a_keras_variable_made_before_the_strategy_connects_raises_a_clear_error
         assert "'sequential/dense/" in line and "created before" in line, line
         assert "Create the strategy first" in line, line
     assert lines[-1] == "FRESH (3, 2)"
+
+
+def test_arguments_keep_the_positions_they_had_before_measure_staleness(cluster):
+    # `measure_staleness` came last of all; a call that passes the older arguments by
+    # position reaches the same parameters as before it existed.
+    strategy = kerasps.ParameterServerStrategy(
+        cluster, None, "greedy", "lazy", "sync", 1, None, 30.0, 2, 60.0)
+    assert (strategy.sparse_updates, strategy.mode, strategy.backup_workers) == (
+        "lazy", "sync", 1)
+    assert strategy.step_timeout == 30.0
+    assert (strategy.pool.min_workers, strategy.pool.timeout) == (2, 60.0)
+    assert strategy.measure_staleness is True
