@@ -385,9 +385,15 @@ def _summary(record):
                 f"bound {record['bound'] / 1024:.1f} KiB")
     ps_tx = {ns.rsplit("-", 2)[-2] + ns.rsplit("-", 1)[-1]: c["tx_bytes"] / record["steps"]
              for ns, c in record["counters"].items() if "-ps-" in ns}
+    retransmitted = {ns.rsplit("-", 2)[-2] + ns.rsplit("-", 1)[-1]: c["tcp_retrans_segs"] /
+                     max(1, c["tcp_out_segs"]) for ns, c in record["counters"].items()
+                     if "-ps-" in ns and "tcp_out_segs" in c}
     return (f"{record['placement']:11s} spe={record['spe']:<3d} "
             f"{record['steps_per_s']:7.2f} steps/s  ps tx KiB/step "
-            + " ".join(f"{k}={v / 1024:.0f}" for k, v in sorted(ps_tx.items())))
+            + " ".join(f"{k}={v / 1024:.0f}" for k, v in sorted(ps_tx.items()))
+            + ("  ps TCP segments retransmitted "
+               + " ".join(f"{k}={v:.2%}" for k, v in sorted(retransmitted.items()))
+               if retransmitted else ""))
 
 
 def _by_kind(record, kind, field):

@@ -170,6 +170,9 @@ def test_rate_limit_holds_within_10_percent(bench, src, dst):
     # The payload is ~95.6% of the bytes tbf counts (Ethernet, IP and TCP headers).
     assert 0.9 * 100e6 <= goodput <= 1.1 * 100e6, goodput / 1e6
     assert 0.9 * 100e6 <= wire * 8 / got["seconds"] <= 1.1 * 100e6, wire * 8 / got["seconds"]
+    # The sender's namespace counts its TCP segments: ~nbytes / MSS, and any retransmitted.
+    sent = bench.counters(*src)
+    assert sent["tcp_out_segs"] >= nbytes / 65536 and sent["tcp_retrans_segs"] >= 0
     # The faster link between two workers is not held to the ps' rate.
     got, _, _ = _transfer(bench, ("worker", 0), ("worker", 1), nbytes, port=5002)
     assert got["bytes"] * 8 / got["seconds"] > 1.5 * 100e6
@@ -227,14 +230,15 @@ def _cut_mid_fit(tmp_path, kind, index, seconds=5.0):
 
 
 @contextlib.contextmanager
-def _chief_on_bench(tmp_path, script, name):
-    """A bench of 1 chief, 2 workers and 1 ps on 1 Gbit/s links, the servers started and
-    `script` running as the chief: yields the bench and the chief's `RunningJob`; checks
-    that nothing of the bench is left afterwards."""
+def _chief_on_bench(tmp_path, script, name, ps=1, rates=None):
+    """A bench of 1 chief, 2 workers and `ps` ps tasks on 1 Gbit/s links (or `rates` per
+    task type), the servers started and `script` running as the chief: yields the bench and
+    the chief's `RunningJob`; checks that nothing of the bench is left afterwards."""
     from benchmarks.netbench import cluster
     from tests.launched import RunningJob
 
-    with netbench.Bench({"chief": 1, "worker": 2, "ps": 1}, rate="1gbit", name=name) as bench:
+    with netbench.Bench({"chief": 1, "worker": 2, "ps": ps}, rate="1gbit", rates=rates,
+                        name=name) as bench:
         cluster.start_servers(bench)
         chief = RunningJob(bench.command("chief", 0, [sys.executable, str(script)]),
                            cwd=tmp_path,
@@ -341,3 +345,44 @@ def test_a_long_step_is_no_dead_link(tmp_path):
     assert float(chief.wait_for(r"^fit seconds (\S+)").group(1)) >= 12, chief.output()
     assert int(chief.wait_for(r"^iterations (\d+)").group(1)) == 4
     assert int(chief.wait_for(r"^reexecuted (\d+)").group(1)) == 0
+
+
+def test_long_executions_after_short_ones_run_every_step_once(tmp_path):
+    """Found by `network.py throughput` (2026-11-26): on 100 Mbit/s ps links, a `fit` with
+    steps_per_execution=10 right after one with 1 on the same cluster had a worker fail
+    with `UnavailableError: Too many pings` and ran 7 steps twice, with no fault at all
+    (the bench's spe 10 rows were 15-20% slow for it). The worker's server had ended the
+    chief's connection: a gRPC server ends a connection pinged more than twice between its
+    own sends ("too_many_pings"), and the chief pinged each second of a 4-5 s execution,
+    up to 2 pings after each of its own sends. With one ping after each send (enough to
+    find a dead link) it reproduced in 0 of 2 runs, against 4 of 4 before."""
+    script = tmp_path / "chief.py"
+    script.write_text(textwrap.dedent("""
+        import keras, tensorflow as tf, kerasps
+
+        def dataset_fn(context):
+            x = tf.random.uniform([32, 512])
+            return tf.data.Dataset.from_tensors((x, tf.zeros([32, 1]))).repeat()
+
+        for spe in (1, 10):  # as network.py throughput runs them, one cluster for both
+            strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config())
+            with strategy.scope():  # round_robin: both 1 MiB kernels on ps 0
+                model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(512),
+                                          keras.layers.Dense(512), keras.layers.Dense(1)])
+                model.compile(keras.optimizers.SGD(0.001), "mse", steps_per_execution=spe)
+            reexecuted = 0
+            for steps in (20, 60):
+                history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=1,
+                                    steps_per_epoch=steps, verbose=0)
+                reexecuted += sum(history.history["reexecuted_steps"])
+            print("spe", spe, "iterations", int(model.optimizer.iterations.numpy()),
+                  "reexecuted", reexecuted, flush=True)
+    """))
+    with _chief_on_bench(tmp_path, script, "tpings", ps=2, rates={"ps": "100mbit"}) as (
+            _, chief):
+        status = chief.finish()
+    assert status == 0, chief.output()
+    for spe in (1, 10):
+        found = chief.wait_for(rf"^spe {spe} iterations (\d+) reexecuted (\d+)$")
+        assert found.groups() == ("80", "0"), chief.output()
+    assert "too_many_pings" not in chief.output()

@@ -81,17 +81,18 @@ def test_from_tf_config_gives_the_chief_grpc_keepalive(env, no_new_servers):
     options = _grpc_options()
     assert options["grpc.keepalive_time_ms"] == "1000"
     assert options["grpc.keepalive_timeout_ms"] == "2000"
-    # No pings on an idle connection, no more than gRPC's default between the chief's
-    # sends: servers end a connection pinged too often ("too_many_pings").
+    # No pings on an idle connection, one between the chief's sends: servers end a
+    # connection pinged too often ("too_many_pings").
     assert "grpc.keepalive_permit_without_calls" not in options
-    assert "grpc.http2.max_pings_without_data" not in options
+    assert options["grpc.http2.max_pings_without_data"] == "1"
 
 
 def test_from_tf_config_keeps_the_grpc_options_the_user_set(env, no_new_servers):
     env.setenv(cluster.GRPC_OPTIONS_ENV, "grpc.keepalive_time_ms=30000,grpc.max_metadata_size=9")
     cluster.from_tf_config(_tf_config())
     assert os.environ[cluster.GRPC_OPTIONS_ENV] == (
-        "grpc.keepalive_time_ms=30000,grpc.max_metadata_size=9,grpc.keepalive_timeout_ms=2000")
+        "grpc.keepalive_time_ms=30000,grpc.max_metadata_size=9,grpc.keepalive_timeout_ms=2000,"
+        "grpc.http2.max_pings_without_data=1")
     cluster.from_tf_config(_tf_config())  # twice: nothing added again
     assert os.environ[cluster.GRPC_OPTIONS_ENV].count("keepalive_timeout_ms") == 1
 

@@ -170,11 +170,21 @@ def down(name: str | None = DEFAULT_NAME) -> list[str]:
 
 
 def counters(namespace: str, ifname: str = IFNAME) -> dict[str, int]:
-    """`tx_bytes`, `rx_bytes`, `tx_packets`, `rx_packets` of `ifname` in `namespace`."""
+    """`tx_bytes`, `rx_bytes`, `tx_packets`, `rx_packets` of `ifname` in `namespace`, and
+    the namespace's TCP segments sent (`tcp_out_segs`, retransmissions excluded, as the
+    kernel counts them) and retransmitted (`tcp_retrans_segs`)."""
     out = _run("ip", "-j", "-s", "-n", namespace, "link", "show", "dev", ifname).stdout
     stats = json.loads(out)[0]["stats64"]
+    tcp = tcp_counters(_run("ip", "netns", "exec", namespace, "cat", "/proc/net/snmp").stdout)
     return {"tx_bytes": stats["tx"]["bytes"], "rx_bytes": stats["rx"]["bytes"],
-            "tx_packets": stats["tx"]["packets"], "rx_packets": stats["rx"]["packets"]}
+            "tx_packets": stats["tx"]["packets"], "rx_packets": stats["rx"]["packets"],
+            "tcp_out_segs": tcp["OutSegs"], "tcp_retrans_segs": tcp["RetransSegs"]}
+
+
+def tcp_counters(snmp: str) -> dict[str, int]:
+    """The `Tcp:` counters of a `/proc/net/snmp` text (a line of names, then one of values)."""
+    names, values = [line.split()[1:] for line in snmp.splitlines() if line.startswith("Tcp:")]
+    return dict(zip(names, map(int, values)))
 
 
 @dataclasses.dataclass(frozen=True)

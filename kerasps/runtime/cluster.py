@@ -90,15 +90,21 @@ GRPC_OPTIONS_ENV = "TF_GRPC_DEFAULT_OPTIONS"
 # killed task's refused connection does. Without it, a task cut off the network (its
 # process alive, the TCP connection open) held a step's RPC until the link came back.
 # The peer's HTTP/2 layer answers pings while the task computes, so a long step is no
-# dead link; pings stop on an idle connection (no `keepalive_permit_without_calls`) and,
-# as gRPC's source reads, after 2 without anything the chief sends
-# (`grpc.http2.max_pings_without_data`'s default): a server ends a connection pinged more
-# than twice within 5 minutes of no sending of its own ("too_many_pings"; its
-# `min_recv_ping_interval_without_data_ms`, which TensorFlow's servers do not expose).
-# A user's `TF_GRPC_DEFAULT_OPTIONS` keeps its values (`grpc_options`).
+# dead link. But a gRPC server ends a connection pinged more than twice within 5 minutes
+# of no sending of its own ("too_many_pings": its `min_recv_ping_interval_without_data_ms`
+# and `max_ping_strikes`, which TensorFlow's servers do not expose), failing the RPCs on
+# it as a dead link would. So the chief sends no ping on an idle connection (no
+# `keepalive_permit_without_calls`) and one ping, not gRPC's default of 2, after each of
+# its own sends (`max_pings_without_data`): with 2, a worker busy for seconds with one
+# long execution (steps_per_execution=10 on a slow link) while the chief sent it other
+# messages ended the connection, and the steps it had run ran again
+# (`test_long_executions_after_short_ones_run_every_step_once`). One answered ping is
+# enough to find a dead link. A user's `TF_GRPC_DEFAULT_OPTIONS` keeps its values
+# (`grpc_options`).
 CHIEF_GRPC_OPTIONS = {
     "grpc.keepalive_time_ms": "1000",
     "grpc.keepalive_timeout_ms": "2000",
+    "grpc.http2.max_pings_without_data": "1",
 }
 
 
