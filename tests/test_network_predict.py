@@ -70,17 +70,22 @@ def test_more_workers_on_a_saturated_ps_link_are_predicted_from_a_two_worker_run
     assert {row[8 + 2 * 2] for row in rows} <= {"+0%", "-0%"}, table
 
 
-def test_the_committed_bench_records_make_the_published_prediction_tables():
+@pytest.mark.parametrize("day, workers", [("2026-11-25", ["1", "2", "3", "4"]),
+                                          ("2026-11-26", ["2"])])
+def test_the_committed_bench_records_make_the_published_prediction_tables(day, workers):
     """`benchmarks/records` holds the runs behind docs/figures.md: `predict` reads them
-    without root, calibrates on the named run and lists every configuration."""
-    path = os.path.join(os.path.dirname(network.__file__), "records",
-                        "network_throughput_2026-11-25.jsonl")
-    with open(path) as f:
+    without root, calibrates on the named run and lists every configuration, with the
+    link runs' loss as a fourth model."""
+    records_dir = os.path.join(os.path.dirname(network.__file__), "records")
+    with open(os.path.join(records_dir, f"network_throughput_{day}.jsonl")) as f:
         records = [r for r in map(json.loads, f) if r["mode"] == "throughput"]
-    table = network.predict_table(records, ("1gbit", 2, "greedy", 1, 2))
+    with open(os.path.join(records_dir, "network_link_2026-11-26.jsonl")) as f:
+        links = [json.loads(line) for line in f]
+    table = network.predict_table(records, ("1gbit", 2, "greedy", 1, 2), links=links)
+    assert "100mbit links keep 0.766 of their rate each way" in table
     rows = [[cell.strip() for cell in line.strip("|").split("|")]
             for line in table.splitlines() if line.startswith(("| 1gbit", "| 100mbit"))]
-    assert sorted({row[2] for row in rows}) == ["1", "2", "3", "4"]  # workers
+    assert sorted({row[2] for row in rows}) == workers
     calibration = [row for row in rows if "(calibration)" in row[3]]
     assert len(calibration) == 1 and calibration[0][8] in {"+0%", "-0%"}, table
 
