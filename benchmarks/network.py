@@ -383,17 +383,15 @@ def _summary(record):
         return (f"{record['optimizer']:9s} {record['steps_per_s']:6.1f} steps/s  "
                 f"{_wire_per_step(record) / 1024:6.1f} KiB on the wire per worker-step, "
                 f"bound {record['bound'] / 1024:.1f} KiB")
-    ps_tx = {ns.rsplit("-", 2)[-2] + ns.rsplit("-", 1)[-1]: c["tx_bytes"] / record["steps"]
-             for ns, c in record["counters"].items() if "-ps-" in ns}
-    retransmitted = {ns.rsplit("-", 2)[-2] + ns.rsplit("-", 1)[-1]: c["tcp_retrans_segs"] /
-                     max(1, c["tcp_out_segs"]) for ns, c in record["counters"].items()
-                     if "-ps-" in ns and "tcp_out_segs" in c}
-    return (f"{record['placement']:11s} spe={record['spe']:<3d} "
+    ps = sorted((ns.rsplit("-", 2)[-2] + ns.rsplit("-", 1)[-1], c)  # "ps0": its counters
+                for ns, c in record["counters"].items() if "-ps-" in ns)
+    line = (f"{record['placement']:11s} spe={record['spe']:<3d} "
             f"{record['steps_per_s']:7.2f} steps/s  ps tx KiB/step "
-            + " ".join(f"{k}={v / 1024:.0f}" for k, v in sorted(ps_tx.items()))
-            + ("  ps TCP segments retransmitted "
-               + " ".join(f"{k}={v:.2%}" for k, v in sorted(retransmitted.items()))
-               if retransmitted else ""))
+            + " ".join(f"{k}={c['tx_bytes'] / record['steps'] / 1024:.0f}" for k, c in ps))
+    if all("tcp_out_segs" in c for _, c in ps):  # records from before the TCP counters have none
+        line += "  ps TCP segments retransmitted " + " ".join(
+            f"{k}={c['tcp_retrans_segs'] / max(1, c['tcp_out_segs']):.2%}" for k, c in ps)
+    return line
 
 
 def _by_kind(record, kind, field):
