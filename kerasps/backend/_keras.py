@@ -11,6 +11,8 @@ Seams:
     large enough to split is created as a `kerasps.ShardedVariable`.
   * `Variable._initialize`: names the variable being placed, for the
     placement report.
+  * `Variable.assign_add/assign_sub`: on a ps task, TensorFlow's atomic op (no
+    update lost between workers); an increment known when tracing is made there.
   * `Tracker.add_to_store`: a layer tracks the shards of a `ShardedVariable`
     (so `trainable_variables`, gradients and optimizers see real variables,
     as `tf_keras` did with TF's `ShardedVariable`).
@@ -29,7 +31,8 @@ Seams:
     sharded variable's shards make a `ShardedVariable`.
   * `TFOptimizer._distributed_tf_update_step/_apply_weight_decay`: a shard
     with a row-update gradient is updated on the batch's rows only
-    (`kerasps.sparse`), as the strategy's `sparse_updates` mode allows.
+    (`kerasps.sparse`), as the strategy's `sparse_updates` mode allows; the
+    learning rate and `iterations` are read once per step, not per variable.
   * `backend.numpy.take`: a row lookup in a `ShardedVariable` gathers on each
     shard's ps task instead of concatenating the whole table.
   * `TensorFlowTrainer.fit/evaluate/predict` (and the `*_on_batch` methods):
@@ -209,6 +212,37 @@ def compute_output_spec(model, input_spec):
                                                                        input_spec))
 
 
+def _cast_where_needed(value, variable):
+    """`value` cast to the dtype of the TensorFlow `variable`, to be added to it.
+
+    A value known when tracing (`iterations.assign_add(1)`, a metric's count of a
+    fixed batch) is made on the variable's own device: made where the step runs,
+    it would be sent to the ps task every step.
+    """
+    static = None if tf.executing_eagerly() else tf.get_static_value(value)
+    if static is not None:
+        with tf.device(variable.device):
+            return tf.cast(tf.constant(static), variable.dtype)
+    return tf.cast(value, variable.dtype)
+
+
+@contextlib.contextmanager
+def _iterations_read_once(optimizer):
+    """While the variables' updates are made, `optimizer.iterations` is one read of it.
+
+    Each update reads the learning rate and `iterations` (Adam's bias correction)
+    next to its variable, and each read of a variable on another ps task is a
+    transfer there, every step: one read crosses once to each task. Set with
+    `object.__setattr__` (Keras would track a new attribute) and put back after.
+    """
+    iterations = optimizer._iterations
+    object.__setattr__(optimizer, "_iterations", tf.convert_to_tensor(iterations))
+    try:
+        yield
+    finally:
+        object.__setattr__(optimizer, "_iterations", iterations)
+
+
 def sparse_mode(optimizer):
     """The `sparse_updates` mode of the kerasps strategy of `optimizer`, or `None`."""
     strategy = getattr(optimizer, "_distribution_strategy", None)
@@ -346,7 +380,7 @@ def install(*, trainer, variables, sparse):
 
         def atomic_op(self, value, __original=original_op, __name=op_name):
             if getattr(self, "_kerasps_remote", False) and not in_stateless_scope():
-                value = tf.cast(value, self._value.dtype)
+                value = _cast_where_needed(value, self._value)
                 getattr(self._value, __name)(value)
                 return value
             return __original(self, value)
@@ -653,9 +687,12 @@ def install(*, trainer, variables, sparse):
                     kerasps_sparse.decay(self, variable)
                 self.update_step(gradient, variable, learning_rate)
 
-        for gradient, variable in grads_and_vars:
-            distribution.extended.update(variable, update, args=(gradient, learning_rate),
-                                         group=False)
+        if isinstance(learning_rate, KerasTFVariable):  # read once, as `iterations` below
+            learning_rate = tf.convert_to_tensor(learning_rate)
+        with _iterations_read_once(self):
+            for gradient, variable in grads_and_vars:
+                distribution.extended.update(variable, update, args=(gradient, learning_rate),
+                                             group=False)
 
     @functools.wraps(original_weight_decay)
     def apply_weight_decay(self, variables):

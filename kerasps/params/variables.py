@@ -346,6 +346,8 @@ class ShardedVariable(_keras.KerasTFVariable):
             ids = tf.cast(ids, "int64")
         ids = tf.where(ids < 0, ids + tf.cast(self._shape[0], ids.dtype), ids)
         unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
+        if self._shape[0] <= np.iinfo(np.int32).max:
+            unique_ids = tf.cast(unique_ids, tf.int32)  # half the bytes sent to the shards
         params = [shard.value for shard in self._shards]
         rows = tf.nn.embedding_lookup(params, unique_ids)
         result = _expand_rows(rows, tf.reshape(positions, tf.shape(ids)))

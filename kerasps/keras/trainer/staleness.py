@@ -128,7 +128,8 @@ def measured(model, train_step, cache):
     original_apply = optimizer.apply
 
     def step(data):
-        read_at = iterations.read_value()
+        with tf.device(staleness.device):  # the value stays on that ps task
+            read_at = iterations.read_value()
 
         def apply(grads, trainable_variables=None):
             grads = list(grads)

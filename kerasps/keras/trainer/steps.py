@@ -97,20 +97,17 @@ def make_train_function(model, with_logs=True):
 
         chunk = min(unrolled, steps)
         loops, rest = divmod(steps, chunk)
-        outputs = None
-        if with_logs or loops == 1:
-            # The first chunk runs outside the loop: it gives the loop its outputs'
-            # structure, and a single chunk needs no loop.
-            outputs, loops = run(chunk), loops - 1
-        if loops and with_logs:
-            _, outputs = tf.while_loop(lambda i, _: i < loops, lambda i, _: (i + 1, run(chunk)),
-                                       (tf.constant(0), outputs))
-        elif loops:
+        # With logs, the last chunk runs after the loop and returns them: a loop that
+        # carried them would compute them in every iteration, reading the metrics on the
+        # ps tasks every step. A single chunk needs no loop.
+        looped = loops - 1 if with_logs or loops == 1 else loops
+        if looped:
             def body(i):
                 run(chunk)
                 return i + 1
 
-            tf.while_loop(lambda i: i < loops, body, (tf.constant(0),))
+            tf.while_loop(lambda i: i < looped, body, (tf.constant(0),))
+        outputs = run(chunk) if looped < loops else None
         outputs = run(rest, outputs)
         return _packed(outputs, cache) if with_logs else None
 

@@ -1,0 +1,51 @@
+"""What one training step sends between tasks, from TensorFlow's partitioned graphs.
+
+Each tensor that crosses tasks is a gRPC transfer of its own (a request, a response,
+their framing, executor work at both ends), whatever its size. The embedding workload
+of `benchmarks/crossings.py` (a table in 2 shards on 2 ps tasks, two Dense layers)
+needs 14 per worker-step: the ids to each shard and its rows back, each shard's
+gradient, the 4 dense variables read and their gradients sent.
+"""
+
+import collections
+
+import pytest
+
+from benchmarks import crossings
+
+
+@pytest.fixture(scope="module")
+def adam_step():
+    return crossings.measure("adam")
+
+
+def test_optimizer_scalars_cross_to_each_ps_task_once_per_step(adam_step):
+    # Adam reads the learning rate and `iterations` for every variable it updates,
+    # next to the variable: read per variable, each crossed to the other ps task
+    # once per variable there (3 and 3 here).
+    between_ps = collections.Counter(
+        (c["sender"], c["receiver"], c["dtype"]) for c in adam_step
+        if c["sender"].startswith("ps") and c["receiver"].startswith("ps"))
+    assert between_ps and max(between_ps.values()) == 1, between_ps
+
+
+def test_no_int64_crosses_between_a_worker_and_a_ps_task(adam_step):
+    # Before: the ids sent to the shards (int32 now: the shards have fewer than
+    # 2**31 rows), the staleness counter's read of `iterations` sent to the worker
+    # and back, and the constant 1 that `iterations.assign_add(1)` made on the worker.
+    # (`iterations` itself, int64, crosses once from its ps task to the other.)
+    assert [c for c in adam_step if c["dtype"] == "int64"
+            and "worker" in c["sender"] + c["receiver"]] == []
+
+
+def test_a_step_sends_23_tensors_of_which_14_are_the_models(adam_step):
+    # The other 9: the loss tracker's total and count, the two optimizer scalars,
+    # the loop condition to each ps task and 3 control edges. 30 before.
+    assert len(adam_step) == 23, crossings.table(adam_step)
+
+
+def test_a_step_of_the_function_that_returns_logs_sends_no_more(adam_step):
+    # That function (every execution's, when a callback reads batch logs, as the
+    # progress bar does) computed the logs in every iteration of its loop: the loss
+    # tracker's and the staleness counter's reads crossed every step (33 before).
+    assert len(crossings.measure("adam", logs=True)) == len(adam_step)
