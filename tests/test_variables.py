@@ -124,6 +124,16 @@ def test_lookup_returns_the_rows_of_the_whole_table(strategy):
                                   table[[-1]])
 
 
+@pytest.mark.parametrize("bad_id", [7, -8, 2**32 + 3])
+def test_an_id_outside_the_table_raises_however_large(strategy, bad_id):
+    # The ids go to the shards as int32: 2**32 + 3 must not become row 3.
+    with strategy.scope():
+        layer = keras.layers.Embedding(7, 2)
+        layer.build((None,))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not in"):
+        layer(np.array([1, bad_id], dtype="int64")).numpy()
+
+
 @pytest.mark.parametrize("lookup", ["dense", "dense_max_norm", "sparse", "safe_sparse"])
 def test_tf_nn_embedding_lookups_of_a_sharded_variable_match_the_whole_table(strategy, lookup):
     table = np.arange(14, dtype="float32").reshape(7, 2) - 5
