@@ -141,3 +141,16 @@ def test_logs_that_are_not_scalars_come_back_as_they_are(strategy):
               callbacks=[callback])
     assert callback.logs[-1]["answer"] == 42.0
     assert list(callback.logs[-1]["pair"]) == [1.0, 2.0]
+
+
+def test_the_network_benchs_warm_up_traces_every_function_its_timed_fit_runs(strategy):
+    # `benchmarks/network.py` warmed up with 2 executions (both return logs) and timed
+    # a `fit` that then traced the function without logs and sent it to each worker.
+    from benchmarks import network
+
+    model = build(strategy, TraceCounting, steps_per_execution=3)
+    data = kerasps.DatasetCreator(regression_fn)
+    model.fit(data, epochs=1, steps_per_epoch=network.warmup_steps(3, minimum=6), verbose=0)
+    traced = TraceCounting.traces
+    model.fit(data, epochs=1, steps_per_epoch=30, verbose=0)
+    assert TraceCounting.traces == traced
