@@ -350,9 +350,9 @@ class ShardedVariable(_keras.KerasTFVariable):
             # Half the bytes sent to the shards. An id outside the table becomes the
             # row just past its end, which the gather refuses as it refused the id
             # (cast, 2**32 + 3 would have been row 3).
-            rows = tf.cast(self._shape[0], unique_ids.dtype)
-            unique_ids = tf.cast(tf.where((unique_ids >= 0) & (unique_ids < rows),
-                                          unique_ids, rows), tf.int32)
+            size = tf.cast(self._shape[0], unique_ids.dtype)
+            unique_ids = tf.cast(tf.where((unique_ids >= 0) & (unique_ids < size),
+                                          unique_ids, size), tf.int32)
         params = [shard.value for shard in self._shards]
         rows = tf.nn.embedding_lookup(params, unique_ids)
         result = _expand_rows(rows, tf.reshape(positions, tf.shape(ids)))
