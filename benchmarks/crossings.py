@@ -58,7 +58,8 @@ def step_crossings(dump_dir: str) -> list[dict]:
     per_worker = collections.defaultdict(list)
     for path in sorted(f for f in files if latest in f):
         graph = graph_pb2.GraphDef()
-        text_format.Parse(open(path).read(), graph)
+        with open(path) as f:
+            text_format.Parse(f.read(), graph)
         received, workers = [], set()
         for node in graph.node:
             if node.op not in ("_Recv", "_HostRecv"):
@@ -87,11 +88,8 @@ def child(optimizer: str, dump_dir: str, logs: str = "no"):
     import kerasps.cluster
 
     vocab = 200_000
-    strategy = kerasps.ParameterServerStrategy(
-        kerasps.cluster.in_process(num_workers=2, num_ps=2),
-        sparse_updates=es.OPTIMIZERS[optimizer][1],
-        variable_partitioner=kerasps.partitioners.MinSizePartitioner(
-            min_shard_bytes=es.MIN_SHARD_BYTES, max_shards=2))
+    strategy = es.kerasps_strategy(kerasps.cluster.in_process(num_workers=2, num_ps=2),
+                                   optimizer, num_ps=2)
     with strategy.scope():
         model = es._compiled_model(keras, vocab, optimizer)
     # 4 executions: the first and last return logs, the two between use the

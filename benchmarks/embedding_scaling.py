@@ -105,6 +105,17 @@ def _compiled_model(keras_module, vocab, optimizer):
     return model
 
 
+def kerasps_strategy(resolver, optimizer, num_ps):
+    """The workload's kerasps strategy: the table split in up to `num_ps` shards of at
+    least `MIN_SHARD_BYTES`, row updates as `OPTIMIZERS` says for `optimizer`."""
+    import kerasps
+
+    return kerasps.ParameterServerStrategy(
+        resolver, sparse_updates=OPTIMIZERS[optimizer][1],
+        variable_partitioner=kerasps.partitioners.MinSizePartitioner(
+            min_shard_bytes=MIN_SHARD_BYTES, max_shards=num_ps))
+
+
 def _gib(nbytes):
     return nbytes / 2**30
 
@@ -129,10 +140,7 @@ def run_one(system, optimizer, vocab, num_ps, steps, warmup):
 
         import kerasps
 
-        strategy = kerasps.ParameterServerStrategy(
-            resolver, sparse_updates=OPTIMIZERS[optimizer][1],
-            variable_partitioner=kerasps.partitioners.MinSizePartitioner(
-                min_shard_bytes=MIN_SHARD_BYTES, max_shards=num_ps))
+        strategy = kerasps_strategy(resolver, optimizer, num_ps)
         with strategy.scope():
             model = _compiled_model(keras, vocab, optimizer)
         data = kerasps.DatasetCreator(_dataset_fn(vocab))

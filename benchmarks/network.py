@@ -83,10 +83,7 @@ def chief_bytes(args, spaces):
     import kerasps
 
     for optimizer in args.optimizers:
-        strategy = kerasps.ParameterServerStrategy(
-            kerasps.cluster.from_tf_config(), sparse_updates=es.OPTIMIZERS[optimizer][1],
-            variable_partitioner=kerasps.partitioners.MinSizePartitioner(
-                min_shard_bytes=es.MIN_SHARD_BYTES, max_shards=2))
+        strategy = es.kerasps_strategy(kerasps.cluster.from_tf_config(), optimizer, num_ps=2)
         with strategy.scope():
             model = es._compiled_model(keras, args.vocab, optimizer)
         data = kerasps.DatasetCreator(es._dataset_fn(args.vocab))

@@ -344,13 +344,13 @@ class ShardedVariable(_keras.KerasTFVariable):
         ids = tf.convert_to_tensor(ids)
         if not ids.dtype.is_integer:
             ids = tf.cast(ids, "int64")
-        ids = tf.where(ids < 0, ids + tf.cast(self._shape[0], ids.dtype), ids)
+        size = tf.cast(self._shape[0], ids.dtype)
+        ids = tf.where(ids < 0, ids + size, ids)
         unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
         if self._shape[0] < np.iinfo(np.int32).max:
             # Half the bytes sent to the shards. An id outside the table becomes the
             # row just past its end, which the gather refuses as it refused the id
             # (cast, 2**32 + 3 would have been row 3).
-            size = tf.cast(self._shape[0], unique_ids.dtype)
             unique_ids = tf.cast(tf.where((unique_ids >= 0) & (unique_ids < size),
                                           unique_ids, size), tf.int32)
         params = [shard.value for shard in self._shards]
