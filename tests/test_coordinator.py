@@ -1,5 +1,8 @@
 """Custom training loops with `kerasps.ClusterCoordinator`."""
 
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -250,3 +253,52 @@ def test_no_coordinator_thread_remains_after_the_strategy_shuts_down():
     assert "WorkerClosureProcessingLoop-1" in lines["running"]
     assert lines["after-shutdown"] == "[]"
     assert lines["fit-again"] == "1"
+
+
+RESULTS_COPIED_WITHOUT_A_CHIEF_FUNCTION = """
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.eager import context
+
+import kerasps
+
+strategy = kerasps.ParameterServerStrategy(kerasps.cluster.in_process(num_workers=2, num_ps=1))
+coordinator = kerasps.ClusterCoordinator(strategy)
+
+@tf.function
+def results():
+    return {"dense": tf.ones([2]), "sparse": tf.sparse.eye(2),
+            "ragged": tf.ragged.constant([[1], [2, 3]]), "python": 7}
+
+remotes = [coordinator.schedule(results) for _ in range(8)]
+coordinator.join()
+chief = "/job:chief/replica:0/task:0/device:CPU:0"
+for remote in remotes:
+    got = remote.get()
+    assert got["dense"].numpy().tolist() == [1.0, 1.0] and got["dense"].device == chief
+    assert got["sparse"].indices.numpy().tolist() == [[0, 0], [1, 1]]
+    assert got["sparse"].values.device == chief
+    assert got["ragged"].to_list() == [[1], [2, 3]]
+    assert int(got["python"]) == 7
+print("wrapped", sorted(n for n in context.context().list_function_names()
+                        if n.startswith("__wrapped__")))
+"""
+
+
+def test_results_reach_the_coordinator_without_a_function_run_on_it():
+    """A result is copied to the coordinator as a tensor copy, not as a function run on it.
+
+    TensorFlow copied a result with `tf.identity` placed on the coordinator, which runs
+    a function on the coordinator with a part on the worker
+    (`__wrapped__Identity_device_/job:chief...`). kerasps copies results in the worker
+    threads, several at once, and TensorFlow's table of such functions
+    (`EagerClusterFunctionLibraryRuntime::function_data_`, a `std::vector`) is read
+    outside its lock while another thread's new function may grow it: the chief once
+    sent a request with a freed device name ("Unable to parse request", invalid UTF-8)
+    on the first steps of a `fit`, and once died with SIGSEGV. A copy of each tensor
+    (`EagerTensor._copy_to_device`) never uses that table.
+    """
+    result = subprocess.run([sys.executable, "-c", RESULTS_COPIED_WITHOUT_A_CHIEF_FUNCTION],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "wrapped []" in result.stdout, result.stdout

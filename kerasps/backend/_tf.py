@@ -14,9 +14,11 @@ from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
 from tensorflow.python.distribute.coordinator import cluster_coordinator
 from tensorflow.python.distribute.coordinator import values as coordinator_values
 from tensorflow.python.eager import context
+from tensorflow.python.framework import composite_tensor
 from tensorflow.python.framework import errors as tf_errors
 from tensorflow.python.framework import ops as tf_ops
-from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.ops import array_ops, resource_variable_ops
+from tensorflow.python.util import nest
 
 ParameterServerStrategyV2 = pss_v2.ParameterServerStrategyV2
 ParameterServerStrategyV2Extended = pss_v2.ParameterServerStrategyV2Extended
@@ -198,6 +200,36 @@ class _ResultOnCoordinator(coordinator_values.RemoteValueImpl):
     handling: a worker lost before its result reached the coordinator is a
     worker failure like any other, and the function runs again.
     """
+
+    def _copy_to_local(self):
+        """The result on the coordinator, each tensor copied as a tensor.
+
+        TensorFlow's copy is a `tf.identity` placed on the coordinator: a function
+        run on the coordinator with a part on the worker. Such functions live in a
+        table (`EagerClusterFunctionLibraryRuntime::function_data_`, a
+        `std::vector`) that TensorFlow reads outside its lock while a new one may
+        grow it; with results copied from several worker threads at once, the
+        chief sent requests with a freed device name ("Unable to parse request")
+        and once died with SIGSEGV. A tensor copy (`_copy_to_device`, a send on
+        the worker and a receive here) never uses that table.
+        """
+        if self._values is None:
+            return None
+        server_def = context.get_server_def()
+        device = (f"/job:{server_def.job_name}/replica:0/task:{server_def.task_index}"
+                  "/device:CPU:0")
+
+        def copy(value):
+            if isinstance(value, input_lib.DistributedIterator):
+                return value  # stays on its worker: never read from the coordinator
+            if isinstance(value, tf_ops.EagerTensor):
+                return value._copy_to_device(device)
+            if isinstance(value, composite_tensor.CompositeTensor):
+                return nest.map_structure(copy, value, expand_composites=True)
+            with tf_ops.device(device):  # a Python value: made here, nothing to receive
+                return array_ops.identity(value)
+
+        return nest.map_structure(copy, self._values)
 
     def _set_values(self, tensors):
         self._values = tensors
