@@ -135,13 +135,16 @@ def chief_throughput(args, spaces):
                 model.compile(keras.optimizers.SGD(0.001), "mse", steps_per_execution=spe)
             data = kerasps.DatasetCreator(dataset_fn)
             model.fit(data, epochs=1, steps_per_epoch=warmup_steps(spe, args.warmup), verbose=0)
+            cpu_before = {ns: netbench.cpu_seconds(ns) for ns in spaces}
             before, start = _all_counters(spaces), time.perf_counter()
             model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)
             seconds = time.perf_counter() - start
+            counters = _delta(before, _all_counters(spaces))
+            cpu = {ns: netbench.cpu_seconds(ns) - cpu_before[ns] for ns in spaces}
             print(RESULT + json.dumps({
                 "mode": "throughput", "placement": placement, "spe": spe,
                 "steps": args.steps, "steps_per_s": args.steps / seconds, "seconds": seconds,
-                "counters": _delta(before, _all_counters(spaces)),
+                "counters": counters, "cpu_s": cpu, "cpus": os.cpu_count(),
                 "variables": [(r.name, r.bytes, r.ps_task)
                               for r in strategy.placement_report()]}), flush=True)
 
@@ -281,16 +284,26 @@ def calibrate(record, duplex, sharing="queue", efficiencies=None):
     return (lo * hi) ** 0.5, overhead
 
 
+def cpu_busy(record):
+    """The share of the machine's cores that every task of a run kept busy together during
+    its timed `fit`, or `None` for a record made before the bench measured CPU."""
+    if "cpu_s" not in record:
+        return None
+    return sum(record["cpu_s"].values()) / record["seconds"] / record["cpus"]
+
+
 def _merged(records):
     """One record per configuration: the first run's, with the median steps/s of its runs
-    (`runs`: each run's steps/s)."""
+    (`runs`: each run's steps/s) and `busy`: the median of their `cpu_busy`, or `None`."""
     groups: dict = {}
     for r in records:
         groups.setdefault(_config(r), []).append(r)
     merged = []
     for runs in groups.values():
         rates = [r["steps_per_s"] for r in runs]
-        merged.append({**runs[0], "runs": rates, "steps_per_s": statistics.median(rates)})
+        busy = [cpu_busy(r) for r in runs]
+        merged.append({**runs[0], "runs": rates, "steps_per_s": statistics.median(rates),
+                       "busy": None if None in busy else statistics.median(busy)})
     return sorted(merged, key=lambda r: (-netbench.parse_rate(_config(r)[0]), *_config(r)[1:]))
 
 
@@ -300,7 +313,8 @@ def predict_table(records, calibration, models=MODELS, links=None):
     ps tasks, placement, steps_per_execution, workers); with `links` (records of `link`
     runs), also the model `LOADED`, whose links lose what `duplex_efficiencies` measured in
     them; the last row: each model's largest error over the rows other than the
-    calibration's."""
+    calibration's. The last column: how busy the run kept the machine's cores (`cpu_busy`),
+    which no model has: a row near 100% is paced by the CPU, not by its links."""
     records = _merged(records)
     base = [r for r in records if _config(r) == calibration]
     if not base:
@@ -322,8 +336,9 @@ def predict_table(records, calibration, models=MODELS, links=None):
              "| ps link | ps tasks | workers | placement | spe "
              "| bytes out of the busiest ps KiB/step "
              "| measured steps/s (runs) | "
-             + " | ".join(f"simulator, {name} | error" for name, *_ in models) + " |",
-             "|---|---:|---:|---|---:|---:|---:|" + "---:|---:|" * len(models)]
+             + " | ".join(f"simulator, {name} | error" for name, *_ in models)
+             + " | cores busy |",
+             "|---|---:|---:|---|---:|---:|---:|" + "---:|---:|" * len(models) + "---:|"]
     worst = dict.fromkeys(fits, 0.0)
     at_calibration = {}  # each model's prediction of the calibration run
     for r in records:
@@ -342,11 +357,12 @@ def predict_table(records, calibration, models=MODELS, links=None):
             cells.append(f"{predicted:.2f} | {error:+.0%}")
         mark = " (calibration)" if is_calibration else ""
         runs = ", ".join(f"{x:.2f}" for x in r["runs"])
+        busy = "" if r["busy"] is None else f"{r['busy']:.0%}"
         lines.append(f"| {rate} | {num_ps} | {workers} | {placement}{mark} "
                      f"| {spe} | {busiest / r['steps'] / 1024:.0f} "
-                     f"| {r['steps_per_s']:.2f} ({runs}) | {' | '.join(cells)} |")
+                     f"| {r['steps_per_s']:.2f} ({runs}) | {' | '.join(cells)} | {busy} |")
     lines.append("| largest error, other rows | | | | | | | "
-                 + " | ".join(f" | {worst[name]:.0%}" for name, *_ in models) + " |")
+                 + " | ".join(f" | {worst[name]:.0%}" for name, *_ in models) + " | |")
     for name, *_ in models:
         fastest = at_calibration[name]
         if fastest < 0.99 * base[0]["steps_per_s"]:

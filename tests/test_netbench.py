@@ -191,6 +191,35 @@ def test_link_mode_loads_both_directions_of_the_ps_link_at_once():
     assert netbench.leftovers(network.BENCH_NAME) == []  # torn down
 
 
+BURN = """
+import sys, time
+end = time.process_time() + float(sys.argv[1])
+while time.process_time() < end:
+    pass
+print(time.process_time(), flush=True)
+input()  # lives on, idle, until told to end
+"""
+
+
+def test_cpu_seconds_counts_every_process_of_a_namespace_and_nothing_else(bench):
+    """`netbench.cpu_seconds`: what the throughput bench records per task (`cpu_s`)."""
+    before = {task: netbench.cpu_seconds(bench.task(*task).namespace)
+              for task in (("worker", 0), ("worker", 1))}
+    burners = [bench.popen("worker", 0, [sys.executable, "-c", BURN, "0.4"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for _ in range(2)]
+    try:
+        used = sum(float(p.stdout.readline()) for p in burners)  # each one's own CPU
+        worker0 = netbench.cpu_seconds(bench.task("worker", 0).namespace) - before["worker", 0]
+        worker1 = netbench.cpu_seconds(bench.task("worker", 1).namespace) - before["worker", 1]
+    finally:
+        for p in burners:
+            p.communicate("\n", timeout=30)
+    assert used >= 0.8
+    assert used - 0.05 <= worker0 <= used + 0.5, (worker0, used)  # + starting Python
+    assert worker1 == 0.0
+
+
 def test_link_cut_and_restored(bench):
     nbytes = 12_500_000  # 1 s at 100 Mbit/s
     cut = 5.0

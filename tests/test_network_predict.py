@@ -71,7 +71,8 @@ def test_more_workers_on_a_saturated_ps_link_are_predicted_from_a_two_worker_run
 
 
 @pytest.mark.parametrize("day, workers", [("2026-11-25", ["1", "2", "3", "4"]),
-                                          ("2026-11-26", ["2"]), ("2026-11-26b", ["2"])])
+                                          ("2026-11-26", ["2"]), ("2026-11-26b", ["2"]),
+                                          ("2026-11-26c", ["2"])])
 def test_the_committed_bench_records_make_the_published_prediction_tables(day, workers):
     """`benchmarks/records` holds the runs behind docs/figures.md: `predict` reads them
     without root, calibrates on the named run and lists every configuration, with the
@@ -129,3 +130,19 @@ def test_with_link_records_the_loaded_link_model_predicts_its_own_records():
     # loads both directions at once, so its rows agree.
     missed = {(row[0], row[2]) for row in rows if row[8 + 2 * 1] not in {"+0%", "-0%"}}
     assert ("100mbit", "2") in missed and ("100mbit", "1") not in missed, table
+
+
+def test_each_row_lists_how_busy_its_runs_kept_the_machines_cores():
+    """`throughput` records each task's CPU seconds over the timed `fit` (`cpu_s`); `predict`
+    lists the share of the cores that kept busy, the median of a configuration's runs (no
+    model has the CPU: a row near 100% is paced by it), and nothing for older records."""
+    records = [_record(rate, "greedy", 0.02, "full", "queue") for rate in ("1gbit", "100mbit")]
+    records.append(dict(records[0]))
+    for record, cpu_s in zip(records, ({"ps": 1.5, "worker": 0.5}, None, {"ps": 1.0})):
+        if cpu_s:
+            record.update(cpu_s=cpu_s, seconds=1.0, cpus=2)  # 100% and 50% of 2 cores
+    table = network.predict_table(records, ("1gbit", 2, "greedy", 1, 2))
+    assert "cores busy |" in table.splitlines()[2]
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.strip("|").split("|")]
+            for line in table.splitlines() if line.startswith(("| 1gbit", "| 100mbit"))}
+    assert rows["1gbit"][-1] == "75%" and rows["100mbit"][-1] == "", table

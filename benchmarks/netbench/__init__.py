@@ -181,6 +181,20 @@ def counters(namespace: str, ifname: str = IFNAME) -> dict[str, int]:
             "tcp_out_segs": tcp["OutSegs"], "tcp_retrans_segs": tcp["RetransSegs"]}
 
 
+def cpu_seconds(namespace: str) -> float:
+    """CPU seconds (user and system, every thread) used so far by the processes now in
+    `namespace` (a process that ended is no longer counted)."""
+    total = 0
+    for pid in _run("ip", "netns", "pids", namespace).stdout.split():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name
+        except OSError:  # ended since it was listed
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def tcp_counters(snmp: str) -> dict[str, int]:
     """The `Tcp:` counters of a `/proc/net/snmp` text (a line of names, then one of values)."""
     names, values = [line.split()[1:] for line in snmp.splitlines() if line.startswith("Tcp:")]

@@ -14,7 +14,7 @@ from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
 from tensorflow.python.distribute.coordinator import cluster_coordinator
 from tensorflow.python.distribute.coordinator import values as coordinator_values
 from tensorflow.python.eager import context
-from tensorflow.python.framework import composite_tensor
+from tensorflow.python.framework import composite_tensor, dtypes
 from tensorflow.python.framework import errors as tf_errors
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import array_ops, resource_variable_ops
@@ -189,6 +189,9 @@ def distributed_datasets_from_function(strategy, dataset_fn, input_workers, inpu
         build=tf.inside_function())
 
 
+_HANDLES = (dtypes.resource, dtypes.variant)  # no array to read: copied as TensorFlow does
+
+
 class _ResultOnCoordinator(coordinator_values.RemoteValueImpl):
     """A scheduled function's result, published only once it is on the coordinator.
 
@@ -202,16 +205,24 @@ class _ResultOnCoordinator(coordinator_values.RemoteValueImpl):
     """
 
     def _copy_to_local(self):
-        """The result on the coordinator, each tensor copied as a tensor.
+        """The result on the coordinator, each tensor read as an array.
 
         TensorFlow's copy is a `tf.identity` placed on the coordinator: a function
         run on the coordinator with a part on the worker. Such functions live in a
         table (`EagerClusterFunctionLibraryRuntime::function_data_`, a
         `std::vector`) that TensorFlow reads outside its lock while a new one may
-        grow it; with results copied from several worker threads at once, the
-        chief sent requests with a freed device name ("Unable to parse request")
-        and once died with SIGSEGV. A tensor copy (`_copy_to_device`, a send on
-        the worker and a receive here) never uses that table.
+        grow it: with results copied from several worker threads at once, the
+        chief sent a request with a freed device name ("Unable to parse request",
+        invalid UTF-8), a use after free. Reading a tensor (`numpy()`: a send on
+        the worker, a receive here) never uses that table. (`_copy_to_device`, the
+        same copy, raises a bare `RuntimeError`, which would end `fit`.)
+
+        TensorFlow's coordinator tells a lost worker from the text of an error:
+        `UnavailableError` naming `/job:worker` is a worker failure, a
+        `CancelledError` naming a task is derived from one, and either way the
+        function runs again. Its own copy's errors named the tasks of the function
+        it ran; a read's do not ("RecvFromRemoteAsync is cancelled."), so each is
+        raised again naming the worker the result came from.
         """
         if self._values is None:
             return None
@@ -222,12 +233,19 @@ class _ResultOnCoordinator(coordinator_values.RemoteValueImpl):
         def copy(value):
             if isinstance(value, input_lib.DistributedIterator):
                 return value  # stays on its worker: never read from the coordinator
-            if isinstance(value, tf_ops.EagerTensor):
-                return value._copy_to_device(device)
             if isinstance(value, composite_tensor.CompositeTensor):
                 return nest.map_structure(copy, value, expand_composites=True)
-            with tf_ops.device(device):  # a Python value: made here, nothing to receive
-                return array_ops.identity(value)
+            if isinstance(value, tf_ops.EagerTensor) and value.dtype not in _HANDLES:
+                try:
+                    array = value.numpy()
+                except tf_errors.OpError as error:
+                    raise type(error)(error.node_def, error.op,
+                                      f"Copying a result from {value.device} to the "
+                                      f"coordinator: {error.message}") from None
+                with tf_ops.device(device):
+                    return tf_ops.convert_to_tensor(array, dtype=value.dtype)
+            with tf_ops.device(device):
+                return array_ops.identity(value)  # a Python value, or a handle: as TF does
 
         return nest.map_structure(copy, self._values)
 
