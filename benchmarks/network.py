@@ -214,6 +214,8 @@ def _config(record):
 MODELS = (("half duplex", "half", "queue"), ("full duplex", "full", "queue"),
           ("full duplex, fair", "full", "fair"))
 LOADED = ("full duplex, loaded both ways", "full", "queue")
+# `LOADED` whose workers' own links carry their steps too (`[network] worker_bandwidth`).
+WORKER_LINKS = ("loaded both ways, worker links", "full", "queue")
 
 
 def duplex_efficiencies(link_records):
@@ -231,17 +233,24 @@ def duplex_efficiencies(link_records):
     return efficiencies
 
 
-def _scenario(record, step_time, overhead, duplex, sharing="queue", efficiencies=None):
+def _scenario(record, step_time, overhead, duplex, sharing="queue", efficiencies=None,
+              worker_links=False):
     """The simulator's scenario of `record`'s run: its variables (as the placement report
     names them, in creation order) placed by the same policy, its workers of constant step
     time, ps links of the record's rate less the framing `overhead` (wire / variable bytes),
     ps contention, no latency, the link model `duplex` and `sharing`, and with
     `efficiencies` (per rate, `duplex_efficiencies`) the loss of a link loaded both ways
-    (none at a rate not measured)."""
+    (none at a rate not measured); with `worker_links`, each worker's own link too, at
+    the record's `rate` (the bench gives every link that rate but the ps links), which
+    every byte of the worker's step crosses besides a ps link (its loss taken as the ps
+    links')."""
     import simulator
 
     rate = record["ps_rate"] or record["rate"]
     bandwidth = netbench.parse_rate(rate) / 8 / overhead
+    worker = {}
+    if worker_links:
+        worker = {"worker_bandwidth": netbench.parse_rate(record["rate"]) / 8 / overhead}
     return simulator.Scenario.from_dict({
         "name": "netbench", "seed": 0,
         "workers": {"count": record.get("workers", NUM_WORKERS),
@@ -249,18 +258,19 @@ def _scenario(record, step_time, overhead, duplex, sharing="queue", efficiencies
         "ps": {"count": record["ps"], "contention": True},
         "network": {"bandwidth": bandwidth, "latency": 0.0, "duplex": duplex,
                     "sharing": sharing,
-                    "duplex_efficiency": (efficiencies or {}).get(rate, 1.0)},
+                    "duplex_efficiency": (efficiencies or {}).get(rate, 1.0), **worker},
         "training": {"mode": "async", "steps": 400},
         "model": {"placement": record["placement"],
                   "variables": [{"name": name, "shape": [max(1, nbytes // 4)]}
                                 for name, nbytes, _ in record["variables"]]}})
 
 
-def _simulate(record, step_time, overhead, duplex, sharing="queue", efficiencies=None):
+def _simulate(record, step_time, overhead, duplex, sharing="queue", efficiencies=None,
+              worker_links=False):
     import simulator
 
     return simulator.run(_scenario(record, step_time, overhead, duplex, sharing,
-                                   efficiencies)).steps_per_second
+                                   efficiencies, worker_links)).steps_per_second
 
 
 def _overhead(record):
@@ -269,7 +279,7 @@ def _overhead(record):
     return sent / record["steps"] / sum(nbytes for _, nbytes, _ in record["variables"])
 
 
-def calibrate(record, duplex, sharing="queue", efficiencies=None):
+def calibrate(record, duplex, sharing="queue", efficiencies=None, worker_links=False):
     """The constant step time (compute and everything off the ps links) for which the
     simulator reproduces `record`'s throughput, with its measured framing overhead."""
     overhead = _overhead(record)
@@ -277,7 +287,7 @@ def calibrate(record, duplex, sharing="queue", efficiencies=None):
     for _ in range(40):  # throughput falls as the step time grows: bisect (geometrically)
         mid = (lo * hi) ** 0.5
         if _simulate(record, mid, overhead, duplex, sharing,
-                     efficiencies) > record["steps_per_s"]:
+                     efficiencies, worker_links) > record["steps_per_s"]:
             lo = mid
         else:
             hi = mid
@@ -312,7 +322,8 @@ def predict_table(records, calibration, models=MODELS, links=None):
     link model of `models`, calibrated on the configuration `calibration` (ps link rate,
     ps tasks, placement, steps_per_execution, workers); with `links` (records of `link`
     runs), also the model `LOADED`, whose links lose what `duplex_efficiencies` measured in
-    them; the last row: each model's largest error over the rows other than the
+    them, and `WORKER_LINKS`: `LOADED` with each worker's own link carrying its steps'
+    bytes too; the last row: each model's largest error over the rows other than the
     calibration's. The last column: how busy the run kept the machine's cores (`cpu_busy`),
     which no model has: a row near 100% is paced by the CPU, not by its links."""
     records = _merged(records)
@@ -321,9 +332,10 @@ def predict_table(records, calibration, models=MODELS, links=None):
         raise SystemExit(f"no record of the calibration configuration {calibration}; "
                          f"have {[_config(r) for r in records]}")
     efficiencies = duplex_efficiencies(links) if links else {}
-    models = [(*m, None) for m in models] + ([(*LOADED, efficiencies)] if links else [])
-    fits = {name: calibrate(base[0], duplex, sharing, loss)
-            for name, duplex, sharing, loss in models}
+    models = [(*m, None, False) for m in models] + (
+        [(*LOADED, efficiencies, False), (*WORKER_LINKS, efficiencies, True)] if links else [])
+    fits = {name: calibrate(base[0], duplex, sharing, loss, own)
+            for name, duplex, sharing, loss, own in models}
     steps = " / ".join(f"{fits[name][0] * 1000:.1f} ms ({name})" for name, *_ in models)
     measured = "; ".join(f"{rate} links keep {e:.3f} of their rate each way when loaded both "
                          "ways (`link --both-ways`), other rates none"
@@ -346,9 +358,9 @@ def predict_table(records, calibration, models=MODELS, links=None):
         is_calibration = _config(r) == calibration
         busiest = max(c["tx_bytes"] for ns, c in r["counters"].items() if "-ps-" in ns)
         cells = []
-        for name, duplex, sharing, loss in models:
+        for name, duplex, sharing, loss, own in models:
             step_time, overhead = fits[name]
-            predicted = _simulate(r, step_time, overhead, duplex, sharing, loss)
+            predicted = _simulate(r, step_time, overhead, duplex, sharing, loss, own)
             error = predicted / r["steps_per_s"] - 1
             if is_calibration:
                 at_calibration[name] = predicted

@@ -155,6 +155,10 @@ class NetworkSpec:
             keeps while the other direction carries bytes too (1: none lost). Measure it
             by loading both directions with plain TCP flows (`benchmarks/network.py link
             --both-ways`); on the network bench's `tbf` links it is about 0.73.
+        worker_bandwidth: bytes per second of each worker's own link (full duplex, with
+            ps contention), which every read into the worker and every gradient out of
+            it also crosses: a step's bytes from all ps tasks share it. Infinite (the
+            default): the workers' links never limit.
     """
 
     bandwidth: float = math.inf
@@ -162,6 +166,7 @@ class NetworkSpec:
     duplex: str = "half"
     sharing: str = "queue"
     duplex_efficiency: float = 1.0
+    worker_bandwidth: float = math.inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,7 +465,9 @@ def _parse(data: dict, source: str | None, base_dir: str | None) -> Scenario:
                           duplex=n.string("duplex", "half"),
                           sharing=n.string("sharing", "queue"),
                           duplex_efficiency=n.number("duplex_efficiency", 1.0, positive=True,
-                                                    maximum=1.0))
+                                                    maximum=1.0),
+                          worker_bandwidth=n.number("worker_bandwidth", math.inf, positive=True,
+                                                    allow_inf=True))
     if network.duplex not in ("half", "full"):
         raise n.error("duplex", network.duplex, "expected one of ['half', 'full']")
     if network.sharing not in ("queue", "fair"):
@@ -469,6 +476,12 @@ def _parse(data: dict, source: str | None, base_dir: str | None) -> Scenario:
         raise n.error("duplex_efficiency", network.duplex_efficiency,
                       "a half-duplex link never carries both directions at once; "
                       "set `network.duplex = \"full\"`")
+    if not math.isinf(network.worker_bandwidth) and (network.duplex != "full"
+                                                     or not ps.contention):
+        raise n.error("worker_bandwidth", network.worker_bandwidth,
+                      "the workers' links are modelled with full-duplex ps links under "
+                      "contention; set `network.duplex = \"full\"` and "
+                      "`ps.contention = true`")
     n.finish()
 
     model = _parse_model(top.table("model", {}), ps.count)

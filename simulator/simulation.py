@@ -91,14 +91,21 @@ class Cluster:
             s.workers.step_time, self.rng(_WORKER_STREAM, index),
             slowdown=s.stragglers.slowdown if slow else 1.0,
             stragglers=s.stragglers, overhead=self.step_overhead())
-        w = Worker(index, durations, self._extra(index))
+        links = None
+        if not math.isinf(s.network.worker_bandwidth):  # its own link: (in, out)
+            links = link_lib.duplex(self.env, s.network.worker_bandwidth,
+                                    s.network.duplex_efficiency)
+        w = Worker(index, durations, self._extra(index, links))
         self.coordinator.workers.append(w)
         self.coordinator.join(w)
         w.process = self.env.process(worker(self.env, w, self.coordinator))
         return w
 
-    def _extra(self, index: int):
-        """The generator function a step runs after its compute delay, if any."""
+    def _extra(self, index: int, links=None):
+        """The generator function a step runs after its compute delay, if any; with
+        `links` (the worker's own link: into it, out of it), each read also crosses the
+        first and each gradient the second, and a transfer takes as long as the slower
+        of the two links it crosses at its share of each."""
         env, s = self.env, self.scenario
         parts = []
         if s.ps.contention and any(server.step_bytes for server in self.servers):
@@ -113,24 +120,31 @@ class Cluster:
                 if latency:
                     yield env.timeout(latency)
 
+            def across(link, nbytes, into_worker):
+                """`link` carries `nbytes`, and so does the worker's own link if any."""
+                if links is None:
+                    return link.transfer(nbytes)
+                own = links[0] if into_worker else links[1]
+                return env.all_of([link.transfer(nbytes), own.transfer(nbytes)])
+
             def read(server):  # full duplex: out of the ps task
                 with server.uplink.request() as request:
                     yield request
-                    yield server.outlink.transfer(server.step_bytes)
+                    yield across(server.outlink, server.step_bytes, True)
                 if latency:
                     yield env.timeout(latency / 2)
 
             def send(server):  # full duplex: into the ps task, and the apply
                 with server.resource.request() as request:
                     yield request
-                    yield server.inlink.transfer(server.step_bytes)
+                    yield across(server.inlink, server.step_bytes, False)
                     yield env.timeout(server.service_time)
                     server.busy += server.service_time
                 if latency:
                     yield env.timeout(latency / 2)
 
             def shared(server, direction, apply):  # fair sharing: the bytes, then the apply
-                yield direction.transfer(server.step_bytes)
+                yield across(direction, server.step_bytes, not apply)
                 if apply and server.service_time:
                     with server.resource.request() as request:
                         yield request

@@ -146,3 +146,25 @@ def test_each_row_lists_how_busy_its_runs_kept_the_machines_cores():
     rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.strip("|").split("|")]
             for line in table.splitlines() if line.startswith(("| 1gbit", "| 100mbit"))}
     assert rows["1gbit"][-1] == "75%" and rows["100mbit"][-1] == "", table
+
+
+def test_one_worker_runs_as_fast_with_either_placement_and_its_link_says_why():
+    """On the bench at 1 Gbit/s one worker ran round_robin (both kernels, 2 MiB, on one ps
+    task) as fast as greedy (1 MiB on each): every byte of its step also crosses the
+    worker's own link, as fast as a ps link. The model that carries each step over the
+    worker's link too predicts that; the same model with ps links alone makes round_robin
+    a third slower."""
+    records_dir = os.path.join(os.path.dirname(network.__file__), "records")
+    with open(os.path.join(records_dir, "network_throughput_2026-11-26c_1worker.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    with open(os.path.join(records_dir, "network_link_2026-11-26.jsonl")) as f:
+        links = [json.loads(line) for line in f]
+    table = network.predict_table(records, ("1gbit", 2, "greedy", 1, 1), links=links)
+    assert "simulator, loaded both ways, worker links" in table.splitlines()[2]
+    rows = {(row[3], row[4]): row for row in (
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in table.splitlines() if line.startswith("| 1gbit"))}
+    round_robin = rows["round_robin", "1"]
+    assert round_robin[6].startswith("28.14")  # measured, as greedy's 28.15
+    assert round_robin[8 + 2 * 4] in {"+0%", "-0%"}, table  # with the worker's link
+    assert round_robin[8 + 2 * 3] == "-32%", table  # the same, ps links alone

@@ -1,6 +1,8 @@
 """A ps task's link: fair sharing (`[network] sharing = "fair"`) and the loss of a duplex
 link loaded both ways (`duplex_efficiency`): closed forms."""
 
+import math
+
 import pytest
 import simpy
 
@@ -234,3 +236,54 @@ def test_duplex_efficiency_defaults_to_no_loss_and_is_validated():
         "Invalid value for `network.duplex_efficiency` in test.toml: a half-duplex link "
         'never carries both directions at once; set `network.duplex = "full"`. Received: '
         "network.duplex_efficiency=0.7")
+
+
+# -- a worker's own link (`[network] worker_bandwidth`) --------------------------------------
+# 1e6 bytes on each ps task, greedy; round_robin puts both kernels on ps task 0, as the
+# network bench's unbalanced model does.
+TWO_PS = {"variables": [{"name": f"{layer}/{part}", "shape": shape}
+                        for layer in ("a", "b")
+                        for part, shape in (("kernel", [1000, 250]), ("bias", [1]))]}
+
+
+def _with_worker_links(workers, sharing, worker_bandwidth, placement="greedy"):
+    scenario = make(workers, {"distribution": "constant", "value": 1e-6},
+                    model={**TWO_PS, "placement": placement},
+                    ps={"contention": True, "count": 2},
+                    network={"bandwidth": 1e6, "duplex": "full", "sharing": sharing,
+                             "worker_bandwidth": worker_bandwidth},
+                    training={"steps": 200})
+    return simulator.run(scenario).steps_per_second
+
+
+@pytest.mark.parametrize("sharing", ["queue", "fair"])
+def test_a_workers_own_link_carries_the_bytes_of_every_ps_task(sharing):
+    """Reads from 2 ps tasks (1e6 bytes each) at once: on ps links of 1e6 B/s a step takes
+    1 s each way; through a worker link of 1e6 B/s that the two share, 2 s each way."""
+    assert _with_worker_links(1, sharing, float("inf")) == pytest.approx(0.5, rel=0.01)
+    assert _with_worker_links(1, sharing, 1e6) == pytest.approx(0.25, rel=0.01)
+    assert _with_worker_links(1, sharing, 1e9) == pytest.approx(0.5, rel=0.01)
+
+
+def test_with_one_worker_on_its_own_link_placement_no_longer_matters():
+    """The network bench at 1 Gbit/s, one worker: round_robin (both variables on one ps
+    task) ran as fast as greedy (28.14 and 28.15 steps/s): the worker's link, which every
+    byte crosses whatever the placement, set the pace. Without it the model made
+    round_robin twice as slow."""
+    by_placement = {p: _with_worker_links(1, "queue", 1e6, placement=p)
+                    for p in ("greedy", "round_robin")}
+    assert by_placement["round_robin"] == pytest.approx(by_placement["greedy"], rel=0.01)
+    assert _with_worker_links(1, "queue", float("inf"), placement="round_robin") == (
+        pytest.approx(0.5 * _with_worker_links(1, "queue", float("inf")), rel=0.01))
+
+
+def test_worker_bandwidth_needs_full_duplex_ps_links_under_contention():
+    assert math.isinf(make(1).network.worker_bandwidth)
+    with pytest.raises(simulator.ScenarioError) as error:
+        make(1, ps={"contention": True}, network={"worker_bandwidth": 1e6})
+    assert str(error.value) == (
+        "Invalid value for `network.worker_bandwidth` in test.toml: the workers' links are "
+        "modelled with full-duplex ps links under contention; set `network.duplex = "
+        '"full"` and `ps.contention = true`. Received: network.worker_bandwidth=1000000.0')
+    with pytest.raises(simulator.ScenarioError, match="positive"):
+        make(1, network={"duplex": "full", "worker_bandwidth": -1})

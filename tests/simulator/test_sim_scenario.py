@@ -55,7 +55,8 @@ step_time = { distribution = "exponential", rate = 1.0 }
     ("[network]\nlatency = -1\n", "Received: network.latency=-1.0"),
     ("[network]\nbandwith = 1e9\n",
      "Unknown key `network.bandwith` in scenario.toml: did you mean `bandwidth`? Expected "
-     "one of ['bandwidth', 'duplex', 'duplex_efficiency', 'latency', 'sharing']. "
+     "one of ['bandwidth', 'duplex', 'duplex_efficiency', 'latency', 'sharing', "
+     "'worker_bandwidth']. "
      "Received: network.bandwith=1000000000.0"),
     ("[failures]\nworker_mtbf = -10.0\n", "Received: failures.worker_mtbf=-10.0"),
     ("[failures]\nworker_loss_probability = 1.5\n", "it must be at most 1.0"),
