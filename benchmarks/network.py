@@ -66,14 +66,48 @@ def _dense_params(model):
                if "embedding" not in v.path)
 
 
-def warmup_steps(spe: int, minimum: int) -> int:
-    """Steps of the warm-up `fit` before a timed one: at least `minimum`, and 3 executions.
+def warmup_steps(spe: int, minimum: int, workers: int = 1) -> int:
+    """Steps of a warm-up `fit` before a timed one: at least `minimum`, and 3 executions
+    per worker (see `warm_up`).
 
     `fit` gives its first and last execution the function that returns logs and the
     executions between another function; a warm-up of 2 executions left that one to the
     timed `fit` to trace and send to each worker (~55 KiB, and the trace's time).
     """
-    return max(minimum, 3 * spe)
+    return max(minimum, 3 * spe * workers)
+
+
+def warm_up(model, data, spe: int, minimum: int, attempts: int = 5) -> None:
+    """Warm-up `fit`s of `warmup_steps(spe, minimum, workers)` steps, until every worker has run
+    each function the timed `fit` runs.
+
+    A worker sends its part of a function to each ps task the first time it runs it (one
+    message of ~45 KB per ps task for the embedding workload); a worker that first ran
+    one in the timed `fit` added that to its bytes. `fit` runs the function that returns
+    logs in its first and last execution (in every one when a callback reads batch logs)
+    and the other in those between: so a `fit` with a batch-level callback until every
+    worker ran an execution, then plain ones until every worker ran 3 (at most 2 of which
+    returned logs). Raises `RuntimeError` after `attempts` `fit`s of either kind.
+    """
+    import collections
+
+    import keras
+
+    import kerasps
+
+    coordinator = kerasps.ClusterCoordinator(model.distribute_strategy)
+    reads_logs = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)
+    for callbacks, executions in (([reads_logs], 1), ([], 3)):
+        for _ in range(attempts):
+            coordinator.start_trace()
+            model.fit(data, epochs=1, verbose=0, callbacks=callbacks,
+                      steps_per_epoch=warmup_steps(spe, minimum, coordinator.num_workers))
+            ran = collections.Counter(event.worker for event in coordinator.stop_trace())
+            if all(ran[worker] >= executions for worker in range(coordinator.num_workers)):
+                break
+        else:
+            raise RuntimeError(f"After {attempts} warm-up `fit`s, some worker ran fewer than "
+                               f"{executions} executions: {dict(ran)}.")
 
 
 def chief_bytes(args, spaces):
@@ -87,7 +121,7 @@ def chief_bytes(args, spaces):
         with strategy.scope():
             model = es._compiled_model(keras, args.vocab, optimizer)
         data = kerasps.DatasetCreator(es._dataset_fn(args.vocab))
-        model.fit(data, epochs=1, steps_per_epoch=warmup_steps(es.SPE, args.warmup), verbose=0)
+        warm_up(model, data, es.SPE, args.warmup)
         before, start = _all_counters(spaces), time.perf_counter()
         model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)
         seconds = time.perf_counter() - start
@@ -134,7 +168,7 @@ def chief_throughput(args, spaces):
                 model = _unbalanced_model(keras)
                 model.compile(keras.optimizers.SGD(0.001), "mse", steps_per_execution=spe)
             data = kerasps.DatasetCreator(dataset_fn)
-            model.fit(data, epochs=1, steps_per_epoch=warmup_steps(spe, args.warmup), verbose=0)
+            warm_up(model, data, spe, args.warmup)
             cpu_before = {ns: netbench.cpu_seconds(ns) for ns in spaces}
             before, start = _all_counters(spaces), time.perf_counter()
             model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)

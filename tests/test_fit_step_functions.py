@@ -1,6 +1,7 @@
 """The functions `fit` schedules on the workers: traced once, logs only where read."""
 
 import keras
+import pytest
 import tensorflow as tf
 
 import kerasps
@@ -154,3 +155,90 @@ def test_the_network_benchs_warm_up_traces_every_function_its_timed_fit_runs(str
     traced = TraceCounting.traces
     model.fit(data, epochs=1, steps_per_epoch=30, verbose=0)
     assert TraceCounting.traces == traced
+
+
+CYCLE = 8  # distinct batches, one pass of them per execution of `steps_per_execution=8`
+
+
+def cycle_fn(input_context):
+    """The same 8 distinct batches, in the same order, on every worker."""
+    x = tf.random.stateless_uniform((CYCLE * BATCH, 3), [5, 6])
+    y = tf.cast(tf.random.stateless_uniform((CYCLE * BATCH, 1), [7, 8]) > 0.5, tf.float32)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
+
+
+def test_metrics_updated_once_per_execution_hold_every_steps_values(strategy):
+    # In the step loop the metrics' increments are summed on the worker and sent to
+    # the ps tasks once, after it. Weights stay fixed (learning rate 0) and every
+    # execution is one pass over the same 8 batches, whichever worker runs it: the
+    # epoch's metrics are those of those 8 batches, as Keras computes them.
+    def model():
+        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, activation="sigmoid")])
+
+    def compiled(m, **kwargs):
+        m.compile(keras.optimizers.SGD(0.0), "binary_crossentropy",
+                  metrics=[keras.metrics.AUC(name="auc"), keras.metrics.BinaryAccuracy(name="acc"),
+                           ExampleCount()], **kwargs)
+        return m
+
+    with strategy.scope():
+        distributed = compiled(model(), steps_per_execution=CYCLE)
+    history = distributed.fit(kerasps.DatasetCreator(cycle_fn), epochs=1,
+                              steps_per_epoch=4 * CYCLE, verbose=0)
+    local = compiled(model())
+    local.set_weights(distributed.get_weights())
+    expected = local.evaluate(cycle_fn(None).take(CYCLE), return_dict=True, verbose=0)
+    assert history.history["examples"] == [4 * CYCLE * BATCH]
+    for name in ("loss", "auc", "acc"):
+        assert abs(history.history[name][0] - expected[name]) < 1e-5, (name, history.history,
+                                                                        expected)
+
+
+class ScriptedCoordinator:
+    """Stands in for `kerasps.ClusterCoordinator`: each traced `fit` ran the executions
+    that `script` gives it, as {worker: executions}."""
+
+    num_workers = 2
+
+    def __init__(self, script):
+        self.script = list(script)
+
+    def start_trace(self):
+        pass
+
+    def stop_trace(self):
+        from kerasps.policy.trace import StepEvent
+
+        ran = self.script.pop(0)
+        return [StepEvent(worker=w, step=0, start=0.0, end=1.0)
+                for w, count in ran.items() for _ in range(count)]
+
+
+class RecordedFits:
+    distribute_strategy = None
+
+    def __init__(self):
+        self.fits = []
+
+    def fit(self, data, **kwargs):
+        self.fits.append(kwargs)
+
+
+def test_the_network_benchs_warm_up_runs_each_function_on_every_worker(monkeypatch):
+    # A worker sends its part of a function to the ps tasks the first time it runs it
+    # (~45 KB each): the bench counted one in Adam's timed `fit`, when the warm-up's
+    # executions without logs had all run on the other worker.
+    from benchmarks import network
+
+    coordinator = ScriptedCoordinator([{0: 6}, {0: 3, 1: 3},  # with a batch callback
+                                       {0: 5, 1: 1}, {0: 2, 1: 4}, {0: 3, 1: 3}])
+    monkeypatch.setattr(kerasps, "ClusterCoordinator", lambda strategy: coordinator)
+    model = RecordedFits()
+    network.warm_up(model, data=None, spe=10, minimum=20)
+    assert [bool(fit["callbacks"]) for fit in model.fits] == [True, True, False, False, False]
+    assert {fit["steps_per_epoch"] for fit in model.fits} == {60}  # 3 executions per worker
+    assert not coordinator.script
+
+    coordinator.script = [{0: 1, 1: 1}] + [{0: 6}] * 5
+    with pytest.raises(RuntimeError, match="fewer than 3 executions"):
+        network.warm_up(RecordedFits(), data=None, spe=10, minimum=20)
