@@ -12,7 +12,9 @@ Seams:
   * `Variable._initialize`: names the variable being placed, for the
     placement report.
   * `Variable.assign_add/assign_sub`: on a ps task, TensorFlow's atomic op (no
-    update lost between workers); an increment known when tracing is made there.
+    update lost between workers); an increment known when tracing is made there;
+    a metric's increments in a training loop are collected while
+    `metric_updates_deferred` is open, and sent after the loop.
   * `Tracker.add_to_store`: a layer tracks the shards of a `ShardedVariable`
     (so `trainable_variables`, gradients and optimizers see real variables,
     as `tf_keras` did with TF's `ShardedVariable`).
