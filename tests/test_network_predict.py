@@ -72,7 +72,7 @@ def test_more_workers_on_a_saturated_ps_link_are_predicted_from_a_two_worker_run
 
 @pytest.mark.parametrize("day, workers", [("2026-11-25", ["1", "2", "3", "4"]),
                                           ("2026-11-26", ["2"]), ("2026-11-26b", ["2"]),
-                                          ("2026-11-26c", ["2"])])
+                                          ("2026-11-26c", ["2"]), ("2026-11-26d", ["2"])])
 def test_the_committed_bench_records_make_the_published_prediction_tables(day, workers):
     """`benchmarks/records` holds the runs behind docs/figures.md: `predict` reads them
     without root, calibrates on the named run and lists every configuration, with the
