@@ -167,11 +167,11 @@ def cycle_fn(input_context):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
 
 
-def test_metrics_updated_once_per_execution_hold_every_steps_values(strategy):
-    # In the step loop the metrics' increments are summed on the worker and sent to
-    # the ps tasks once, after it. Weights stay fixed (learning rate 0) and every
-    # execution is one pass over the same 8 batches, whichever worker runs it: the
-    # epoch's metrics are those of those 8 batches, as Keras computes them.
+def test_the_epochs_metrics_of_a_step_loop_are_keras_metrics_of_its_steps(strategy):
+    # Weights stay fixed (learning rate 0) and every execution is one pass over the
+    # same 8 batches, whichever worker runs it: the epoch's metrics are those of those
+    # 8 batches, as Keras computes them (the loss tracker's `Mean`, AUC's confusion
+    # counts updated as `v.assign(v + delta)`, an accuracy, an example count).
     def model():
         return keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, activation="sigmoid")])
 

@@ -12,9 +12,7 @@ Seams:
   * `Variable._initialize`: names the variable being placed, for the
     placement report.
   * `Variable.assign_add/assign_sub`: on a ps task, TensorFlow's atomic op (no
-    update lost between workers); an increment known when tracing is made there;
-    a metric's increments in a training loop are collected while
-    `metric_updates_deferred` is open, and sent after the loop.
+    update lost between workers); an increment known when tracing is made there.
   * `Tracker.add_to_store`: a layer tracks the shards of a `ShardedVariable`
     (so `trainable_variables`, gradients and optimizers see real variables,
     as `tf_keras` did with TF's `ShardedVariable`).
@@ -228,58 +226,6 @@ def _cast_where_needed(value, variable):
     return tf.cast(value, variable.dtype)
 
 
-class _MetricUpdates:
-    # Not thread-local: `strategy.run` traces the step in a replica thread of its own.
-    # The graph tells the traced function whose updates are deferred from any other.
-    pending = None  # {id: [tf.Variable, delta]} while updates are deferred
-    graph = None  # the graph whose updates are deferred
-
-
-_metric_updates = _MetricUpdates()
-
-
-@contextlib.contextmanager
-def metric_updates_deferred():
-    """Collects the increments of the metrics' accumulators on ps tasks instead of
-    applying them, in the graph being traced, and yields them.
-
-    Yields a dict `{id: [variable, delta]}` (the `tf.Variable` and the sum of its
-    increments) that `kerasps.keras.trainer.metric_updates` applies later: once per
-    execution of a training loop rather than once per step, where each increment is a
-    transfer to the accumulator's ps task. Only accumulators (`synchronization="on_read"`
-    Keras variables of a fully known shape) and only in this graph: an increment in a
-    nested `tf.cond` or loop is applied where it is made.
-    """
-    saved = _metric_updates.pending, _metric_updates.graph
-    pending = {}
-    _metric_updates.pending, _metric_updates.graph = pending, tf.compat.v1.get_default_graph()
-    try:
-        yield pending
-    finally:
-        _metric_updates.pending, _metric_updates.graph = saved
-
-
-def _is_accumulator(variable) -> bool:
-    """A Keras metric's state on a ps task, updated in a traced function."""
-    return (getattr(variable, "_kerasps_remote", False)
-            and variable.synchronization == "on_read" and tf.inside_function())
-
-
-def _deferred(variable, delta) -> bool:
-    """Adds `delta` to the deferred increments of `variable` (a Keras variable), if
-    its increments are being deferred (`metric_updates_deferred`)."""
-    pending = _metric_updates.pending
-    value = variable._value
-    if (pending is None or not _is_accumulator(variable)
-            or tf.compat.v1.get_default_graph() is not _metric_updates.graph
-            or not value.shape.is_fully_defined()):
-        return False
-    delta = tf.broadcast_to(tf.cast(delta, value.dtype), value.shape)
-    entry = pending.setdefault(id(value), [value, None])
-    entry[1] = delta if entry[1] is None else entry[1] + delta
-    return True
-
-
 @contextlib.contextmanager
 def _iterations_read_once(optimizer):
     """While the variables' updates are made, `optimizer.iterations` is one read of it.
@@ -434,8 +380,6 @@ def install(*, trainer, variables, sparse):
 
         def atomic_op(self, value, __original=original_op, __name=op_name):
             if getattr(self, "_kerasps_remote", False) and not in_stateless_scope():
-                if _deferred(self, value if __name == "assign_add" else -value):
-                    return value
                 value = _cast_where_needed(value, self._value)
                 getattr(self._value, __name)(value)
                 return value
@@ -449,6 +393,10 @@ def install(*, trainer, variables, sparse):
     # declared `synchronization="on_read"`), remember the sum `v + delta`
     # computed in a traced function, and turn its assignment into an atomic
     # `assign_add(delta)`. Any other assignment is left alone.
+    def _is_accumulator(variable):
+        return (getattr(variable, "_kerasps_remote", False)
+                and variable.synchronization == "on_read" and tf.inside_function())
+
     for op_name in ("__add__", "__radd__"):
         original_add = getattr(KerasTFVariable, op_name)
 
@@ -469,8 +417,7 @@ def install(*, trainer, variables, sparse):
         if last_sum is not None and value is last_sum[0] and _is_accumulator(self):
             self._kerasps_last_sum = None
             delta = tf.cast(last_sum[1], self._value.dtype)
-            if not _deferred(self, delta):
-                self._value.assign_add(delta)
+            self._value.assign_add(delta)
             return value
         return original_assign(self, value)
 

@@ -6,7 +6,7 @@ import tensorflow as tf
 from keras import tree
 
 from kerasps.backend import _keras
-from kerasps.keras.trainer import metric_updates, staleness
+from kerasps.keras.trainer import staleness
 
 
 def step_functions(model) -> dict:
@@ -102,17 +102,11 @@ def make_train_function(model, with_logs=True):
         # ps tasks every step. A single chunk needs no loop.
         looped = loops - 1 if with_logs or loops == 1 else loops
         if looped:
-            layout = []
+            def body(i):
+                run(chunk)
+                return i + 1
 
-            def body(i, increments):
-                # The metrics' updates go to the ps tasks after the loop, once.
-                return i + 1, metric_updates.accumulated(lambda: run(chunk), increments,
-                                                         layout)
-
-            _, increments = tf.while_loop(
-                lambda i, _: i < looped, body, (tf.constant(0), tf.zeros([0], tf.float64)),
-                shape_invariants=(tf.TensorShape([]), tf.TensorShape([None])))
-            metric_updates.apply(increments, layout)
+            tf.while_loop(lambda i: i < looped, body, (tf.constant(0),))
         outputs = run(chunk) if looped < loops else None
         outputs = run(rest, outputs)
         return _packed(outputs, cache) if with_logs else None
