@@ -136,6 +136,7 @@ class _Extended(_tf.ParameterServerStrategyV2Extended):
         ps_task = variables_lib.pinned_ps_task()
         if ps_task is None:
             ps_task = self._placer.choose(name, shape, dtype.name, nbytes)
+            variables_lib.placed_on_ps_task(ps_task)
         with _tf.no_colocation():
             with tf.device(f"/job:ps/task:{ps_task}/device:CPU:0"):
                 var = next_creator(**kwargs)

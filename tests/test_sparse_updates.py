@@ -22,6 +22,9 @@ BATCHES = [
 EXACT_OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.5),
     "adagrad": lambda: keras.optimizers.Adagrad(0.5),
+    # The learning rate of a schedule is computed each step from `iterations`.
+    "sgd_decaying": lambda: keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(
+        0.5, decay_steps=1, decay_rate=0.5)),
     "ftrl": lambda: keras.optimizers.Ftrl(0.5, l1_regularization_strength=0.01,
                                           l2_regularization_strength=0.01, beta=0.1),
 }

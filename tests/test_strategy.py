@@ -65,6 +65,22 @@ def test_round_robin_alternates_ps_tasks_in_creation_order(make_strategy):
     assert [placed[n] for n in ("big", "small0", "small1", "small2")] == [0, 1, 0, 1]
 
 
+@pytest.mark.parametrize("placement", ["round_robin", "greedy"])
+def test_an_optimizers_learning_rate_is_on_the_ps_task_of_its_iterations(
+        make_strategy, placement):
+    # Every variable's update reads both, on the variable's ps task: together they
+    # are sent there as one tensor (round_robin alone would split them).
+    strategy = make_strategy(placement=placement)
+    with strategy.scope():
+        keras.Variable(np.zeros((10,), "float32"), name="before")
+        optimizer = keras.optimizers.Adam(0.1)
+        after = [keras.Variable(np.zeros((10,), "float32"), name=f"after{i}") for i in range(2)]
+    by_name = {v.name: v for v in optimizer.variables}
+    assert ps_task(by_name["learning_rate"]) == ps_task(by_name["iteration"])
+    # The policy goes on as before for the variables that follow.
+    assert {ps_task(v) for v in after} == {0, 1}
+
+
 def test_greedy_puts_each_variable_on_the_least_loaded_ps(make_strategy):
     strategy = make_strategy(placement="greedy")
     placed = _placed(strategy)

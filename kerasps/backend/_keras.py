@@ -227,18 +227,33 @@ def _cast_where_needed(value, variable):
 
 
 @contextlib.contextmanager
-def _iterations_read_once(optimizer):
-    """While the variables' updates are made, `optimizer.iterations` is one read of it.
+def _step_scalars_sent_once(optimizer, learning_rate):
+    """While the variables' updates are made, `iterations` and `learning_rate` cross once.
 
     Each update reads the learning rate and `iterations` (Adam's bias correction)
-    next to its variable, and each read of a variable on another ps task is a
-    transfer there, every step: one read crosses once to each task. Set with
-    `object.__setattr__` (Keras would track a new attribute) and put back after.
+    next to its variable, on its ps task, and each tensor that crosses to another
+    task is one more transfer there, every step. Both go in one tensor, made where
+    `iterations` lives (the optimizer's learning rate variable is made on the same
+    ps task): one transfer to each other task. Yields `unpack()`, to call inside an
+    update (on the variable's ps task): it sets `optimizer._iterations` to that
+    task's copy and returns its learning rate. The values are exact: float64 holds
+    every step count below 2**53 and every float32 learning rate. `_iterations` is
+    set with `object.__setattr__` (Keras would track a new attribute) and put back
+    after.
     """
     iterations = optimizer._iterations
-    object.__setattr__(optimizer, "_iterations", tf.convert_to_tensor(iterations))
+    learning_rate = tf.convert_to_tensor(learning_rate)
+    with tf.device(tf_variable(iterations).device):
+        packed = tf.stack([tf.cast(tf.convert_to_tensor(iterations), tf.float64),
+                           tf.cast(learning_rate, tf.float64)])
+
+    def unpack():  # `tf.gather`: Grappler would turn `packed[i]` back into two transfers
+        object.__setattr__(optimizer, "_iterations",
+                           tf.cast(tf.gather(packed, 0), iterations.dtype))
+        return tf.cast(tf.gather(packed, 1), learning_rate.dtype)
+
     try:
-        yield
+        yield unpack
     finally:
         object.__setattr__(optimizer, "_iterations", iterations)
 
@@ -625,6 +640,18 @@ def install(*, trainer, variables, sparse):
 
     Model.export = export
 
+    # Optimizer scalars ---------------------------------------------------------
+    # `iterations` and the learning rate share a ps task: every update reads
+    # both, and `_step_scalars_sent_once` sends them together from there.
+    original_optimizer_init = tf_optimizer.TFOptimizer.__init__
+
+    @functools.wraps(original_optimizer_init)
+    def optimizer_init(self, *args, **kwargs):
+        with kerasps_variables.on_ps_task():
+            original_optimizer_init(self, *args, **kwargs)
+
+    tf_optimizer.TFOptimizer.__init__ = optimizer_init
+
     # Optimizer slots -----------------------------------------------------------
     original_from_reference = tf_optimizer.TFOptimizer.add_variable_from_reference
 
@@ -678,7 +705,8 @@ def install(*, trainer, variables, sparse):
         if mode is None:
             return original_update_step(self, distribution, grads_and_vars, learning_rate)
 
-        def update(variable, gradient, learning_rate):
+        def update(variable, gradient, unpack):
+            learning_rate = unpack()  # here: on the variable's ps task
             keras_variable = self._trainable_variables[self._get_variable_index(variable)]
             decayed = lazily_decayed(self, keras_variable)
             if not (hasattr(keras_variable, "_kerasps_container") and kerasps_sparse.update_rows(
@@ -687,12 +715,11 @@ def install(*, trainer, variables, sparse):
                     kerasps_sparse.decay(self, variable)
                 self.update_step(gradient, variable, learning_rate)
 
-        if isinstance(learning_rate, KerasTFVariable):  # read once, as `iterations` below
-            learning_rate = tf.convert_to_tensor(learning_rate)
-        with _iterations_read_once(self):
+        with _step_scalars_sent_once(self, learning_rate) as unpack:
             for gradient, variable in grads_and_vars:
-                distribution.extended.update(variable, update, args=(gradient, learning_rate),
-                                             group=False)
+                distribution.extended.update(
+                    variable, functools.partial(update, unpack=unpack), args=(gradient,),
+                    group=False)
 
     @functools.wraps(original_weight_decay)
     def apply_weight_decay(self, variables):

@@ -86,10 +86,15 @@ def current_creation():
 
 
 @contextlib.contextmanager
-def on_ps_task(ps_task: int):
+def on_ps_task(ps_task: int | None = None):
     """Variables created inside go to ps task `ps_task`, whatever the placement policy
-    (the shards of a `kerasps.layers.DynamicEmbedding` table: one per ps task)."""
-    _stack("ps_task").append(ps_task)
+    (the shards of a `kerasps.layers.DynamicEmbedding` table: one per ps task).
+
+    With `ps_task=None`, they all go to the task the policy gives the first of them
+    (an optimizer's `iterations` and learning rate, which every step reads together).
+    """
+    pin = [ps_task]
+    _stack("ps_task").append(pin)
     try:
         yield
     finally:
@@ -99,7 +104,15 @@ def on_ps_task(ps_task: int):
 def pinned_ps_task() -> int | None:
     """The ps task of the innermost `on_ps_task`, or `None`."""
     stack = _stack("ps_task")
-    return stack[-1] if stack else None
+    return stack[-1][0] if stack else None
+
+
+def placed_on_ps_task(ps_task: int):
+    """Records that the policy placed a variable on `ps_task`: the innermost
+    `on_ps_task()` without a task now pins its other variables there."""
+    stack = _stack("ps_task")
+    if stack and stack[-1][0] is None:
+        stack[-1][0] = ps_task
 
 
 def creating_keras_variable() -> bool:

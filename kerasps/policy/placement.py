@@ -12,7 +12,9 @@ Policies:
 * a callable `(name, shape, dtype, num_ps) -> int`.
 
 Optimizer slots and other variables created with `colocate_vars_with` are
-not placed by the policy: they go next to their variable.
+not placed by the policy: they go next to their variable. An optimizer's
+learning rate goes to the ps task the policy gave its `iterations`: every
+update reads both, and they are sent there together.
 """
 
 from __future__ import annotations
