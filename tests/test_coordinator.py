@@ -143,32 +143,41 @@ def test_dataset_fn_creating_variables_is_rejected(strategy):
         coordinator.create_per_worker_dataset(dataset_fn)
 
 
+def _wait_for(gate):
+    """In a `tf.function`: spins until the ps variable `gate` is 1 (set from the test);
+    returns 0 once it is, for what runs after to depend on."""
+    spins, = tf.while_loop(lambda i: tf.convert_to_tensor(gate) < 1.0, lambda i: i + 1, [0])
+    return tf.minimum(spins, 0)
+
+
 def test_first_error_is_raised_and_queued_functions_are_cancelled(strategy):
     coordinator = kerasps.ClusterCoordinator(strategy)
     with strategy.scope():
         counter = keras.Variable(0.0, name="ran")
+        failure_released = keras.Variable(0.0, name="failure_released")
+        counts_released = keras.Variable(0.0, name="counts_released")
 
     @tf.function
     def fail():
-        # Some real work first, so that more functions are queued behind this one.
-        x = tf.random.uniform((600, 600))
-        for _ in range(8):
-            x = tf.linalg.matmul(x, x) / 600.0
-        tf.debugging.assert_less(tf.reduce_sum(x), -1.0, message="scheduled function failed")
+        tf.debugging.assert_less(_wait_for(failure_released), 0,
+                                 message="scheduled function failed")
         return tf.constant(0)
 
     @tf.function
     def count():
-        counter.assign_add(1.0)
+        counter.assign_add(tf.cast(_wait_for(counts_released) + 1, "float32"))
         return tf.constant(1)
 
     failing = coordinator.schedule(fail)
-    queued = []
+    # Nothing can end before the gates open: one worker holds `fail`, the other at
+    # most one `count`, and the others stay queued (a race when `count` ran freely:
+    # the workers could keep up with the schedules and leave none queued).
+    queued = [coordinator.schedule(count) for _ in range(10)]
+    failure_released.assign(1.0)
     # TensorFlow's semantics: the error surfaces at the next `schedule`, `join` or `done`.
     with pytest.raises(tf.errors.InvalidArgumentError, match="scheduled function failed"):
-        for _ in range(200):
-            queued.append(coordinator.schedule(count))
         coordinator.join()
+    counts_released.assign(1.0)
     with pytest.raises(tf.errors.InvalidArgumentError):
         failing.fetch()
     ran = cancelled = 0
@@ -177,7 +186,7 @@ def test_first_error_is_raised_and_queued_functions_are_cancelled(strategy):
             ran += int(remote.fetch())
         except tf.errors.CancelledError:
             cancelled += 1
-    assert cancelled > 0
+    assert cancelled >= len(queued) - strategy.num_workers
     assert ran + cancelled == len(queued)
     # A function cancelled while running may already have had its effect (TF's
     # semantics: execution is not atomic), at most one per worker.
