@@ -253,17 +253,18 @@ WORKER_LINKS = ("loaded both ways, worker links", "full", "queue")
 
 
 def duplex_efficiencies(link_records):
-    """Per ps link rate, the share of its one-way rate a direction of the link keeps while
-    the other direction carries data too: over the `link --both-ways` runs, the median of
-    each run's slower direction (both carry a step's bytes, so the slower sets the pace),
-    over the median of the one-way runs. Rates without both kinds of run are left out."""
+    """Per ps link rate, the shares of its one-way rate a direction of the link keeps while
+    the other direction carries data too, one per `link --both-ways` run: the run's slower
+    direction (both carry a step's bytes, so the slower sets the pace) over the median of
+    the one-way runs, at most 1, sorted. The simulator draws each transfer's share from
+    them. Rates without both kinds of run are left out."""
     efficiencies = {}
     for rate in {r["ps_rate"] for r in link_records}:
         runs = [r for r in link_records if r["ps_rate"] == rate]
         both = [min(r["out_bits_per_s"], r["in_bits_per_s"]) for r in runs if r["both_ways"]]
         one = [r["out_bits_per_s"] for r in runs if not r["both_ways"]]
         if both and one:
-            efficiencies[rate] = min(1.0, statistics.median(both) / statistics.median(one))
+            efficiencies[rate] = sorted(min(1.0, b / statistics.median(one)) for b in both)
     return efficiencies
 
 
@@ -273,15 +274,18 @@ def _scenario(record, step_time, overhead, duplex, sharing="queue", efficiencies
     names them, in creation order) placed by the same policy, its workers of constant step
     time, ps links of the record's rate less the framing `overhead` (wire / variable bytes),
     ps contention, no latency, the link model `duplex` and `sharing`, and with
-    `efficiencies` (per rate, `duplex_efficiencies`) the loss of a link loaded both ways
-    (none at a rate not measured); with `worker_links`, each worker's own link too, at
-    the record's `rate` (the bench gives every link that rate but the ps links), which
-    every byte of the worker's step crosses besides a ps link (its loss taken as the ps
-    links')."""
+    `efficiencies` (per rate, `duplex_efficiencies`' shares or one number) the loss of a
+    link loaded both ways (none at a rate not measured); with `worker_links`, each
+    worker's own link too, at the record's `rate` (the bench gives every link that rate
+    but the ps links), which every byte of the worker's step crosses besides a ps link
+    (its loss taken as the ps links')."""
     import simulator
 
     rate = record["ps_rate"] or record["rate"]
     bandwidth = netbench.parse_rate(rate) / 8 / overhead
+    efficiency = (efficiencies or {}).get(rate, 1.0)
+    if isinstance(efficiency, list):  # each transfer draws its own
+        efficiency = {"distribution": "empirical", "samples": efficiency}
     worker = {}
     if worker_links:
         worker = {"worker_bandwidth": netbench.parse_rate(record["rate"]) / 8 / overhead}
@@ -292,7 +296,7 @@ def _scenario(record, step_time, overhead, duplex, sharing="queue", efficiencies
         "ps": {"count": record["ps"], "contention": True},
         "network": {"bandwidth": bandwidth, "latency": 0.0, "duplex": duplex,
                     "sharing": sharing,
-                    "duplex_efficiency": (efficiencies or {}).get(rate, 1.0), **worker},
+                    "duplex_efficiency": efficiency, **worker},
         "training": {"mode": "async", "steps": 400},
         "model": {"placement": record["placement"],
                   "variables": [{"name": name, "shape": [max(1, nbytes // 4)]}
@@ -371,9 +375,11 @@ def predict_table(records, calibration, models=MODELS, links=None):
     fits = {name: calibrate(base[0], duplex, sharing, loss, own)
             for name, duplex, sharing, loss, own in models}
     steps = " / ".join(f"{fits[name][0] * 1000:.1f} ms ({name})" for name, *_ in models)
-    measured = "; ".join(f"{rate} links keep {e:.3f} of their rate each way when loaded both "
-                         "ways (`link --both-ways`), other rates none"
+    measured = "; ".join(f"{rate} links keep {statistics.median(e):.3f} of their rate each "
+                         f"way when loaded both ways ({min(e):.2f}-{max(e):.2f} in "
+                         f"{len(e)} `link --both-ways` runs, each transfer drawing one)"
                          for rate, e in sorted(efficiencies.items()))
+    measured += "; other rates none" if measured else ""
     lines = [f"Calibrated on {calibration[0]}, {calibration[1]} ps, {calibration[2]}, "
              f"spe {calibration[3]}, {calibration[4]} workers: "
              f"framing overhead {fits[models[0][0]][1]:.3f}, "
@@ -527,8 +533,9 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--json", help="append the records to this file (JSON lines); "
                         "with predict, the throughput records to read")
-    parser.add_argument("--links", help="predict: records of `link` runs (JSON lines), for "
-                        "the model of links loaded both ways")
+    parser.add_argument("--links", help="predict: records of `link` runs (JSON lines; "
+                        "several files comma-separated), for the models of links loaded "
+                        "both ways")
     parser.add_argument("--calibrate", default="1gbit,2,greedy,1",
                         help="predict: the configuration the simulator is calibrated on "
                         "(ps link rate, ps tasks, placement, steps_per_execution[, workers])")
@@ -543,8 +550,10 @@ def main(argv=None):
         rate, num_ps, placement, spe, *workers = args.calibrate.split(",")
         links = None
         if args.links:
-            with open(args.links) as f:
-                links = [r for r in map(json.loads, f) if r["mode"] == "link"]
+            links = []
+            for path in args.links.split(","):
+                with open(path) as f:
+                    links += [r for r in map(json.loads, f) if r["mode"] == "link"]
         print(predict_table(records, (rate, int(num_ps), placement, int(spe),
                                       int(workers[0]) if workers else NUM_WORKERS),
                             links=links))

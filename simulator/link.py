@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import simpy
 
 __all__ = ["Link", "duplex", "link"]
@@ -25,12 +26,19 @@ class Link:
     `duplex_efficiency` of its rate (on the network bench's rate-limited links
     each direction's queue holds the other direction's acknowledgements behind
     its data, so a link loaded both ways carries less than its rate each way).
+    The share may be a `Distribution` of them instead: each transfer then keeps
+    its own, drawn when it starts. TCP flows through such a link vary from one
+    to the next (`benchmarks/network.py link --both-ways` measured 0.55-0.94 of
+    the rate at 100 Mbit/s), and a step whose bytes cross two links waits for
+    the slower: a constant share misses that.
 
     Attributes:
         bandwidth: bytes per second of the direction.
-        duplex_efficiency: the share of `bandwidth` left while `peer` carries bytes.
+        duplex_efficiency: the share of `bandwidth` left while `peer` carries bytes,
+            a number or a `Distribution` of numbers in (0, 1].
         peer: the link's other direction, or `None`.
         flows: the transfers in flight, their done event to the bytes they have left.
+        shares: each transfer's share of the rate while `peer` carries bytes.
         arrivals: the transfers started since the link last advanced `flows` (they
             join `flows` from that instant, and move nothing before it).
         busy: seconds during which at least one transfer was in flight.
@@ -38,12 +46,14 @@ class Link:
     """
 
     def __init__(self, env: simpy.Environment, bandwidth: float,
-                 duplex_efficiency: float = 1.0):
+                 duplex_efficiency=1.0, rng: np.random.Generator | None = None):
         self.env = env
         self.bandwidth = bandwidth
         self.duplex_efficiency = duplex_efficiency
+        self.rng = rng if rng is not None else np.random.default_rng(0)
         self.peer: Link | None = None
         self.flows: dict[simpy.Event, float] = {}
+        self.shares: dict[simpy.Event, float] = {}
         self.arrivals: dict[simpy.Event, float] = {}
         self.busy = 0.0
         self.changed = env.event()
@@ -54,11 +64,10 @@ class Link:
         """Whether a transfer is in flight or has just started."""
         return bool(self.flows or self.arrivals)
 
-    def rate(self) -> float:
-        """Bytes per second each transfer in flight moves at now."""
+    def rate(self, done: simpy.Event) -> float:
+        """Bytes per second the transfer in flight that ends with `done` moves at now."""
         both_ways = self.peer is not None and self.peer.carrying
-        return (self.bandwidth * (self.duplex_efficiency if both_ways else 1.0)
-                / len(self.flows))
+        return self.bandwidth * (self.shares[done] if both_ways else 1.0) / len(self.flows)
 
     def transfer(self, nbytes: float) -> simpy.Event:
         """Starts moving `nbytes`; returns the event that fires once they are across."""
@@ -67,15 +76,19 @@ class Link:
             done.succeed()
             return done
         self.arrivals[done] = float(nbytes)
+        share = self.duplex_efficiency
+        self.shares[done] = (float(share.sample(self.rng, 1)[0])
+                             if hasattr(share, "sample") else float(share))
         _wake(self)
         return done
 
 
-def duplex(env: simpy.Environment, bandwidth: float,
-           duplex_efficiency: float = 1.0) -> tuple[Link, Link]:
-    """The two directions of one full-duplex link, each the other's `peer`."""
-    one = Link(env, bandwidth, duplex_efficiency)
-    other = Link(env, bandwidth, duplex_efficiency)
+def duplex(env: simpy.Environment, bandwidth: float, duplex_efficiency=1.0,
+           rng: np.random.Generator | None = None) -> tuple[Link, Link]:
+    """The two directions of one full-duplex link, each the other's `peer` (drawing
+    their transfers' shares, if `duplex_efficiency` is a distribution, from `rng`)."""
+    one = Link(env, bandwidth, duplex_efficiency, rng)
+    other = Link(env, bandwidth, duplex_efficiency, rng)
     one.peer, other.peer = other, one
     return one, other
 
@@ -86,8 +99,8 @@ def _wake(shared: Link) -> None:
 
 
 def link(env: simpy.Environment, shared: Link):
-    """The link's process: moves the bytes of every transfer in flight at its share of
-    the rate, and fires a transfer's event when its last byte is across.
+    """The link's process: moves the bytes of every transfer in flight at its rate
+    (`Link.rate`), and fires a transfer's event when its last byte is across.
 
     It wakes when the next transfer would end at the current shares, or when the
     shares change: a transfer starts here, or the peer starts or ends one.
@@ -104,16 +117,17 @@ def link(env: simpy.Environment, shared: Link):
             shared.changed = env.event()
             continue
         start = env.now
-        rate = shared.rate()
-        first = min(flows.values())
-        next_end = env.timeout(first / rate)
+        rates = {done: shared.rate(done) for done in flows}
+        first = min(flows, key=lambda done: flows[done] / rates[done])
+        next_end = env.timeout(flows[first] / rates[first])
         yield next_end | shared.changed
         elapsed = env.now - start
         shared.busy += elapsed
-        moved = elapsed * rate
         for done, left in list(flows.items()):
-            if left - moved <= _EPSILON or (next_end.processed and left == first):
+            moved = elapsed * rates[done]
+            if left - moved <= _EPSILON or (next_end.processed and done is first):
                 del flows[done]
+                del shared.shares[done]
                 done.succeed()
                 if shared.peer is not None:
                     _wake(shared.peer)

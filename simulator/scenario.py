@@ -152,9 +152,11 @@ class NetworkSpec:
             sharing, as concurrent TCP flows through one bottleneck), so two equal
             transfers that start together end together, after twice the time of one.
         duplex_efficiency: with a full-duplex link, the share of its rate a direction
-            keeps while the other direction carries bytes too (1: none lost). Measure it
-            by loading both directions with plain TCP flows (`benchmarks/network.py link
-            --both-ways`); on the network bench's `tbf` links it is about 0.73.
+            keeps while the other direction carries bytes too (1: none lost), or a
+            `Distribution` of such shares (`{distribution = "empirical", samples =
+            [...]}`), each transfer drawing its own. Measure it by loading both
+            directions with plain TCP flows (`benchmarks/network.py link --both-ways`);
+            on the network bench's 100 Mbit/s `tbf` links it is 0.55-0.94, median 0.77.
         worker_bandwidth: bytes per second of each worker's own link (full duplex, with
             ps contention), which every read into the worker and every gradient out of
             it also crosses: a step's bytes from all ps tasks share it. Infinite (the
@@ -165,7 +167,7 @@ class NetworkSpec:
     latency: float = 0.0
     duplex: str = "half"
     sharing: str = "queue"
-    duplex_efficiency: float = 1.0
+    duplex_efficiency: float | Distribution = 1.0
     worker_bandwidth: float = math.inf
 
 
@@ -427,6 +429,21 @@ _PARTITIONERS = {
 }
 
 
+def _duplex_efficiency(n: Table):
+    """`network.duplex_efficiency`: a number in (0, 1], or a constant or empirical
+    distribution of them."""
+    if not isinstance(n.raw("duplex_efficiency", 1.0), dict):
+        return n.number("duplex_efficiency", 1.0, positive=True, maximum=1.0)
+    dist = distributions.from_table(n.table("duplex_efficiency"))
+    values = (dist.value,) if isinstance(dist, distributions.Constant) else getattr(
+        dist, "samples", ())
+    if not values or not all(0 < v <= 1 for v in values):
+        raise n.error("duplex_efficiency", n.raw("duplex_efficiency"),
+                      "expected a number in (0, 1], or a constant or empirical "
+                      "distribution of such numbers")
+    return dist
+
+
 def _parse(data: dict, source: str | None, base_dir: str | None) -> Scenario:
     top = Table(data, "", source)
     name = top.string("name", "scenario")
@@ -464,16 +481,15 @@ def _parse(data: dict, source: str | None, base_dir: str | None) -> Scenario:
                           latency=n.number("latency", 0.0, non_negative=True),
                           duplex=n.string("duplex", "half"),
                           sharing=n.string("sharing", "queue"),
-                          duplex_efficiency=n.number("duplex_efficiency", 1.0, positive=True,
-                                                    maximum=1.0),
+                          duplex_efficiency=_duplex_efficiency(n),
                           worker_bandwidth=n.number("worker_bandwidth", math.inf, positive=True,
                                                     allow_inf=True))
     if network.duplex not in ("half", "full"):
         raise n.error("duplex", network.duplex, "expected one of ['half', 'full']")
     if network.sharing not in ("queue", "fair"):
         raise n.error("sharing", network.sharing, "expected one of ['fair', 'queue']")
-    if network.duplex_efficiency < 1 and network.duplex != "full":
-        raise n.error("duplex_efficiency", network.duplex_efficiency,
+    if network.duplex_efficiency != 1.0 and network.duplex != "full":
+        raise n.error("duplex_efficiency", n.raw("duplex_efficiency"),
                       "a half-duplex link never carries both directions at once; "
                       "set `network.duplex = \"full\"`")
     if not math.isinf(network.worker_bandwidth) and (network.duplex != "full"

@@ -23,6 +23,7 @@ __all__ = ["Cluster", "run"]
 
 # Independent random streams, so that e.g. enabling failures does not change step times.
 _WORKER_STREAM, _FAILURE_STREAM, _ELASTIC_STREAM, _CPU_STREAM = 0, 1, 2, 3
+_PS_LINK_STREAM, _WORKER_LINK_STREAM = 4, 5
 
 
 class Cluster:
@@ -58,9 +59,9 @@ class Cluster:
         self.network = Network(scenario.network)
         n = scenario.network
         if scenario.ps.contention and n.duplex == "full":
-            for server in self.servers:
-                server.inlink, server.outlink = link_lib.duplex(env, n.bandwidth,
-                                                                n.duplex_efficiency)
+            for i, server in enumerate(self.servers):
+                server.inlink, server.outlink = link_lib.duplex(
+                    env, n.bandwidth, n.duplex_efficiency, self.rng(_PS_LINK_STREAM, i))
         elif scenario.ps.contention and n.sharing == "fair":
             for server in self.servers:
                 server.inlink = server.outlink = link_lib.Link(env, n.bandwidth)
@@ -94,7 +95,8 @@ class Cluster:
         links = None
         if not math.isinf(s.network.worker_bandwidth):  # its own link: (in, out)
             links = link_lib.duplex(self.env, s.network.worker_bandwidth,
-                                    s.network.duplex_efficiency)
+                                    s.network.duplex_efficiency,
+                                    self.rng(_WORKER_LINK_STREAM, index))
         w = Worker(index, durations, self._extra(index, links))
         self.coordinator.workers.append(w)
         self.coordinator.join(w)
