@@ -98,10 +98,14 @@ def test_failures_tutorial_recovers_a_killed_worker_and_ps_inside_fit(failures_t
     assert re.search(r"worker 1 exited with signal 9 \(SIGKILL\); restart 1 of 3", text)
     assert re.search(r"ps 0 exited with signal 9 \(SIGKILL\); restart 1 of 3", text)
     assert "lost their variables" in text
+    assert re.search(r"Restored the backup of epoch \d+ step \d+ in [\d.]+ s: "
+                     r"\d+ step\(s\) run again", text), text
     steps = int(re.search(r"optimizer steps (\d+)", text).group(1))
     reexecuted = int(re.search(r"re-executed (\d+)", text).group(1))
     rolled_back = int(re.search(r"rolled back (\d+)", text).group(1))
-    assert steps == 180 + reexecuted and 0 < rolled_back <= 10
+    # A backup every 10 steps: the kill lands 0 to 10 steps after the last one (0 when
+    # it comes right after a backup, as in 1 of 6 runs here).
+    assert steps == 180 + reexecuted and 0 <= rolled_back <= 10
     assert math.isfinite(float(re.search(r"final loss (\S+)", text).group(1)))
 
 
