@@ -98,8 +98,6 @@ def test_failures_tutorial_recovers_a_killed_worker_and_ps_inside_fit(failures_t
     assert re.search(r"worker 1 exited with signal 9 \(SIGKILL\); restart 1 of 3", text)
     assert re.search(r"ps 0 exited with signal 9 \(SIGKILL\); restart 1 of 3", text)
     assert "lost their variables" in text
-    assert re.search(r"Restored the backup of epoch \d+ step \d+ in [\d.]+ s: "
-                     r"\d+ step\(s\) run again", text), text
     steps = int(re.search(r"optimizer steps (\d+)", text).group(1))
     reexecuted = int(re.search(r"re-executed (\d+)", text).group(1))
     rolled_back = int(re.search(r"rolled back (\d+)", text).group(1))
