@@ -237,6 +237,15 @@ def link_rates(ps_rate, flows=(1, 2, 4), repeats=2, both_ways=False):
 
 
 # -- the simulator's prediction ---------------------------------------------------------------
+def read_records(paths, mode):
+    """The records of `mode` ("throughput", "link", ...) in the JSON-lines files `paths`."""
+    records = []
+    for path in paths:
+        with open(path) as f:
+            records += [r for r in map(json.loads, f) if r["mode"] == mode]
+    return records
+
+
 def _config(record):
     """(ps link rate, ps tasks, placement, steps_per_execution, workers) of a record."""
     return (record["ps_rate"] or record["rate"], record["ps"], record["placement"], record["spe"],
@@ -543,17 +552,9 @@ def main(argv=None):
     args.steps = args.steps or (200 if args.mode == "bytes" else 60)
 
     if args.mode == "predict":
-        records = []
-        for path in args.json.split(","):
-            with open(path) as f:
-                records += [r for r in map(json.loads, f) if r["mode"] == "throughput"]
+        records = read_records(args.json.split(","), "throughput")
         rate, num_ps, placement, spe, *workers = args.calibrate.split(",")
-        links = None
-        if args.links:
-            links = []
-            for path in args.links.split(","):
-                with open(path) as f:
-                    links += [r for r in map(json.loads, f) if r["mode"] == "link"]
+        links = read_records(args.links.split(","), "link") if args.links else None
         print(predict_table(records, (rate, int(num_ps), placement, int(spe),
                                       int(workers[0]) if workers else NUM_WORKERS),
                             links=links))

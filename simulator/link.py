@@ -64,10 +64,12 @@ class Link:
         """Whether a transfer is in flight or has just started."""
         return bool(self.flows or self.arrivals)
 
-    def rate(self, done: simpy.Event) -> float:
-        """Bytes per second the transfer in flight that ends with `done` moves at now."""
-        both_ways = self.peer is not None and self.peer.carrying
-        return self.bandwidth * (self.shares[done] if both_ways else 1.0) / len(self.flows)
+    def rates(self) -> dict[simpy.Event, float]:
+        """Bytes per second each transfer in flight moves at now, by its done event."""
+        each = self.bandwidth / len(self.flows)
+        if self.peer is None or not self.peer.carrying:
+            return dict.fromkeys(self.flows, each)
+        return {done: each * self.shares[done] for done in self.flows}
 
     def transfer(self, nbytes: float) -> simpy.Event:
         """Starts moving `nbytes`; returns the event that fires once they are across."""
@@ -100,7 +102,7 @@ def _wake(shared: Link) -> None:
 
 def link(env: simpy.Environment, shared: Link):
     """The link's process: moves the bytes of every transfer in flight at its rate
-    (`Link.rate`), and fires a transfer's event when its last byte is across.
+    (`Link.rates`), and fires a transfer's event when its last byte is across.
 
     It wakes when the next transfer would end at the current shares, or when the
     shares change: a transfer starts here, or the peer starts or ends one.
@@ -117,7 +119,7 @@ def link(env: simpy.Environment, shared: Link):
             shared.changed = env.event()
             continue
         start = env.now
-        rates = {done: shared.rate(done) for done in flows}
+        rates = shared.rates()
         first = min(flows, key=lambda done: flows[done] / rates[done])
         next_end = env.timeout(flows[first] / rates[first])
         yield next_end | shared.changed

@@ -3,7 +3,6 @@
 Pure Python (no bench, no root): the records are synthetic, made by the simulator itself.
 """
 
-import json
 import os
 
 import pytest
@@ -74,8 +73,7 @@ RECORDS = os.path.join(os.path.dirname(network.__file__), "records")
 
 
 def _committed(name, mode):
-    with open(os.path.join(RECORDS, name)) as f:
-        return [r for r in map(json.loads, f) if r["mode"] == mode]
+    return network.read_records([os.path.join(RECORDS, name)], mode)
 
 
 # The link runs: at 100 Mbit/s (2026-11-26) and at 1 Gbit/s (2026-11-26e).
@@ -181,11 +179,8 @@ def test_one_worker_runs_as_fast_with_either_placement_and_its_link_says_why():
     worker's own link, as fast as a ps link. The model that carries each step over the
     worker's link too predicts that; the same model with ps links alone makes round_robin
     a third slower."""
-    records_dir = os.path.join(os.path.dirname(network.__file__), "records")
-    with open(os.path.join(records_dir, "network_throughput_2026-11-26c_1worker.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    with open(os.path.join(records_dir, "network_link_2026-11-26.jsonl")) as f:
-        links = [json.loads(line) for line in f]
+    records = _committed("network_throughput_2026-11-26c_1worker.jsonl", "throughput")
+    links = _committed("network_link_2026-11-26.jsonl", "link")
     table = network.predict_table(records, ("1gbit", 2, "greedy", 1, 1), links=links)
     assert "simulator, loaded both ways, worker links" in table.splitlines()[2]
     rows = {(row[3], row[4]): row for row in (
