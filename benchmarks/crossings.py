@@ -13,6 +13,7 @@ every step but the first of an execution), per worker:
     python benchmarks/crossings.py                 # SGD, a table
     python benchmarks/crossings.py --optimizer adam --json
     python benchmarks/crossings.py --logs           # with a callback reading batch logs
+    python benchmarks/crossings.py --gradients-apart  # each gradient crosses on its own
 """
 
 from __future__ import annotations
@@ -79,13 +80,17 @@ def step_crossings(dump_dir: str) -> list[dict]:
     return per_worker[min(per_worker)] if per_worker else []
 
 
-def child(optimizer: str, dump_dir: str, logs: str = "no"):
+def child(optimizer: str, dump_dir: str, logs: str = "no", gradients: str = "together"):
     sys.path.insert(0, HERE)
     import embedding_scaling as es
     import keras
 
     import kerasps
     import kerasps.cluster
+    from kerasps.backend import _keras
+
+    if gradients == "apart":  # as before the small gradients of a ps task were packed
+        _keras.PACKED_GRADIENT_BYTES = 0
 
     vocab = 200_000
     strategy = es.kerasps_strategy(kerasps.cluster.in_process(num_workers=2, num_ps=2),
@@ -102,15 +107,18 @@ def child(optimizer: str, dump_dir: str, logs: str = "no"):
     print(RESULT + json.dumps(step_crossings(dump_dir)), flush=True)
 
 
-def measure(optimizer: str = "sgd", logs: bool = False, timeout: float = 600) -> list[dict]:
+def measure(optimizer: str = "sgd", logs: bool = False, gradients_apart: bool = False,
+            timeout: float = 600) -> list[dict]:
     """Runs `child` in a fresh process (TensorFlow reads the dump settings once) and
     returns its crossings; with `logs`, those of the function that returns the logs
-    (run for every execution when a callback reads batch logs)."""
+    (run for every execution when a callback reads batch logs); with
+    `gradients_apart`, each gradient crosses to its ps task on its own."""
     with tempfile.TemporaryDirectory(prefix="kerasps-crossings-") as dump_dir:
         env = dict(os.environ, TF_DUMP_GRAPH_PREFIX=dump_dir, TF_DUMP_GRAPH_NAME_FILTER="*",
                    TF_DUMP_GRAPH_GROUPS="main", TF_CPP_MIN_LOG_LEVEL="2")
         done = subprocess.run([sys.executable, __file__, "--child", optimizer, dump_dir,
-                               "logs" if logs else "no"],
+                               "logs" if logs else "no",
+                               "apart" if gradients_apart else "together"],
                               env=env, capture_output=True, text=True, timeout=timeout)
         for line in done.stdout.splitlines():
             if line.startswith(RESULT):
@@ -134,12 +142,14 @@ def main(argv=None):
                         choices=("sgd", "adagrad", "adam", "lazy_adam"))
     parser.add_argument("--logs", action="store_true",
                         help="the function that returns logs (a batch-level callback)")
+    parser.add_argument("--gradients-apart", action="store_true",
+                        help="each gradient crosses on its own (as before they were packed)")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return child(*args.child)
-    crossings = measure(args.optimizer, args.logs)
+    crossings = measure(args.optimizer, args.logs, args.gradients_apart)
     print(json.dumps(crossings) if args.json else table(crossings))
 
 

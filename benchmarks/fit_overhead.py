@@ -29,7 +29,9 @@ between processes for differences under 1 ms): each variant is traced once,
 then scheduled in a Python loop of `--steps` steps per run, `--fits` runs each.
 Variants: `base` (no logs), `logs` (returns its logs, fetched on the
 coordinator), `logs_unpacked` (the logs as separate tensors, as before they
-were packed into one), `no_staleness`, `no_loss_metric`, `unrolled`.
+were packed into one), `no_staleness`, `no_loss_metric`, `unrolled`,
+`gradients_apart` (each gradient crosses to its ps task on its own, as before the
+small ones of a ps task were sent in one tensor).
 """
 
 from __future__ import annotations
@@ -183,6 +185,7 @@ def paired(spe, steps, fits, variants):
     import gc
 
     import kerasps
+    from kerasps.backend import _keras
     from kerasps.trainer import staleness
     from kerasps.trainer import steps as steps_lib
 
@@ -193,6 +196,7 @@ def paired(spe, steps, fits, variants):
     (pipelines,) = coordinator._dataset_cache.values()
     iterator = pipelines["train"].persistent_iterator()
     measured, packed = staleness.measured, steps_lib._packed
+    packed_gradient_bytes = _keras.PACKED_GRADIENT_BYTES
 
     @contextlib.contextmanager
     def variant(name):
@@ -204,11 +208,14 @@ def paired(spe, steps, fits, variants):
             model.unrolled_steps_per_execution = spe
         elif name == "logs_unpacked":
             steps_lib._packed = lambda outputs, cache: outputs
+        elif name == "gradients_apart":
+            _keras.PACKED_GRADIENT_BYTES = 0
         try:
             yield
         finally:
             steps_lib.staleness.measured, steps_lib._packed = measured, packed
             model.unrolled_steps_per_execution = 1
+            _keras.PACKED_GRADIENT_BYTES = packed_gradient_bytes
             if name == "no_loss_metric":
                 object.__delattr__(model._loss_tracker, "update_state")
 

@@ -114,6 +114,22 @@ def test_the_latest_runs_are_predicted_as_published():
     assert (worst[8 + 2 * 3], worst[8 + 2 * 4]) == ("28%", "13%"), table
 
 
+def test_the_four_sets_pooled_are_predicted_as_published():
+    """docs/figures.md, "Seven or eight runs per row": the sets 26b-26e, made with the
+    same workload and bench, pooled (the median of each row's 7-8 runs). Largest error
+    over the rows other than the calibration's: 23% with the ps links alone, 10% (10.1%:
+    100 Mbit/s greedy, spe 1) with the workers' links."""
+    records = [r for suffix in "bcde"
+               for r in _committed(f"network_throughput_2026-11-26{suffix}.jsonl", "throughput")]
+    links = [r for name in LINKS for r in _committed(name, "link")]
+    table = network.predict_table(records, ("1gbit", 2, "greedy", 1, 2), links=links)
+    worst = [cell.strip() for cell in table.splitlines()[-1].strip("|").split("|")]
+    assert (worst[8 + 2 * 3], worst[8 + 2 * 4]) == ("23%", "10%"), table
+    greedy = [row for row in table.splitlines()
+              if row.startswith("| 100mbit | 2 | 2 | greedy | 1 |")]
+    assert len(greedy) == 1 and greedy[0].split("|")[-3].strip() == "+10%", table
+
+
 def _link(rate, out, into=None):
     record = {"mode": "link", "ps_rate": rate, "flows": 1, "both_ways": into is not None,
               "out_bits_per_s": out * 1e6}

@@ -72,6 +72,40 @@ def test_training_on_shards_matches_single_process_keras(strategy, optimizer):
                                   reference.layers[0].embeddings.numpy()[untouched])
 
 
+def test_the_gradients_sent_together_train_as_single_process_keras(strategy):
+    # The small dense gradients of one ps task cross to it in one tensor, and each
+    # update takes its own slice: a wrong offset or shape would train another
+    # variable's gradient. A kernel above `PACKED_GRADIENT_BYTES` crosses apart.
+    from kerasps.backend import _keras
+
+    def deep():
+        return keras.Sequential([
+            keras.Input((8,)), keras.layers.Dense(5), keras.layers.Dense(4),
+            keras.layers.Dense(40), keras.layers.Dense(1024), keras.layers.Dense(1)])
+
+    keras.utils.set_random_seed(11)
+    reference = deep()
+    with strategy.scope():
+        model = deep()
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+    model.set_weights(reference.get_weights())
+    big = model.layers[3].kernel  # (40, 1024) in two shards of 80 KiB
+    assert min(shard.numpy().nbytes for shard in big.shards) > _keras.PACKED_GRADIENT_BYTES
+    x = np.random.default_rng(3).normal(size=(16, 8)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+
+    optimizer = keras.optimizers.SGD(0.05)
+    for _ in range(3):
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.losses.mean_squared_error(y, reference(x)))
+        gradients = tape.gradient(loss, reference.trainable_variables)
+        optimizer.apply(gradients, reference.trainable_variables)
+        model.train_on_batch(x, y)
+
+    for got, expected in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_custom_loop_gradient_tape_works_with_sharded_embeddings(strategy):
     with strategy.scope():
         model = build()

@@ -32,7 +32,8 @@ Seams:
   * `TFOptimizer._distributed_tf_update_step/_apply_weight_decay`: a shard
     with a row-update gradient is updated on the batch's rows only
     (`kerasps.sparse`), as the strategy's `sparse_updates` mode allows; the
-    learning rate and `iterations` are read once per step, not per variable.
+    learning rate and `iterations` are read once per step, not per variable,
+    and the small gradients of one ps task's variables cross to it in one tensor.
   * `backend.numpy.take`: a row lookup in a `ShardedVariable` gathers on each
     shard's ps task instead of concatenating the whole table.
   * `TensorFlowTrainer.fit/evaluate/predict` (and the `*_on_batch` methods):
@@ -256,6 +257,53 @@ def _step_scalars_sent_once(optimizer, learning_rate):
         yield unpack
     finally:
         object.__setattr__(optimizer, "_iterations", iterations)
+
+
+# A gradient at most this large crosses to its ps task in one tensor with the others
+# there (`_gradients_sent_together`); a larger one's own transfer costs little beside
+# its bytes, and joining it would copy it twice.
+PACKED_GRADIENT_BYTES = 64 << 10
+
+
+def _itself(value):
+    return value
+
+
+def _sliced(packed, begin, size, shape):
+    # `tf.gather` of a range, not `packed[begin:begin + size]`: Grappler folds a
+    # slice of a concatenation back into the separate tensors.
+    return tf.reshape(tf.gather(packed, tf.range(begin, begin + size)), shape)
+
+
+def _gradients_sent_together(grads_and_vars):
+    """For each `(gradient, variable)`, a function that returns the gradient where it
+    is called: inside the variable's update, on its ps task.
+
+    Each tensor that crosses to another task is a transfer of its own every step,
+    whatever its size. The small dense gradients of the variables of one ps task
+    (of one dtype, each at most `PACKED_GRADIENT_BYTES`) are concatenated where
+    they are computed and cross in one tensor; each update slices its own out,
+    on its ps task. Row updates (`tf.IndexedSlices`), gradients of unknown size and
+    a task's single gradient cross as before. Exact: the values are only copied.
+    """
+    groups = {}
+    for index, (gradient, variable) in enumerate(grads_and_vars):
+        if (isinstance(gradient, tf.Tensor) and gradient.shape.is_fully_defined()
+                and gradient.shape.num_elements() * gradient.dtype.size
+                <= PACKED_GRADIENT_BYTES):
+            groups.setdefault((variable.device, gradient.dtype), []).append(index)
+    received = [functools.partial(_itself, gradient) for gradient, _ in grads_and_vars]
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        gradients = [grads_and_vars[i][0] for i in members]
+        packed = tf.concat([tf.reshape(g, [-1]) for g in gradients], axis=0)
+        start = 0
+        for index, gradient in zip(members, gradients):
+            size = gradient.shape.num_elements()
+            received[index] = functools.partial(_sliced, packed, start, size, gradient.shape)
+            start += size
+    return received
 
 
 def sparse_mode(optimizer):
@@ -705,8 +753,9 @@ def install(*, trainer, variables, sparse):
         if mode is None:
             return original_update_step(self, distribution, grads_and_vars, learning_rate)
 
-        def update(variable, gradient, unpack):
+        def update(variable, received, unpack):
             learning_rate = unpack()  # here: on the variable's ps task
+            gradient = received()
             keras_variable = self._trainable_variables[self._get_variable_index(variable)]
             decayed = lazily_decayed(self, keras_variable)
             if not (hasattr(keras_variable, "_kerasps_container") and kerasps_sparse.update_rows(
@@ -715,10 +764,12 @@ def install(*, trainer, variables, sparse):
                     kerasps_sparse.decay(self, variable)
                 self.update_step(gradient, variable, learning_rate)
 
+        grads_and_vars = list(grads_and_vars)
         with _step_scalars_sent_once(self, learning_rate) as unpack:
-            for gradient, variable in grads_and_vars:
+            for (_, variable), received in zip(grads_and_vars,
+                                               _gradients_sent_together(grads_and_vars)):
                 distribution.extended.update(
-                    variable, functools.partial(update, unpack=unpack), args=(gradient,),
+                    variable, functools.partial(update, received=received, unpack=unpack),
                     group=False)
 
     @functools.wraps(original_weight_decay)
