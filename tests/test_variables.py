@@ -106,6 +106,33 @@ def test_the_gradients_sent_together_train_as_single_process_keras(strategy):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_gradients_made_on_their_ps_task_are_not_sent_to_the_worker_and_back():
+    # Sync training averages the kept gradients on each variable's ps task: packing
+    # them where the update is traced would send them to the worker and back.
+    from kerasps.backend import _keras
+
+    ps0, ps1 = ("/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0")
+    with tf.Graph().as_default() as graph:
+        with tf.device(ps0):
+            a, b = tf.Variable(tf.zeros([3])), tf.Variable(tf.zeros([2, 2]))
+        with tf.device(ps1):
+            c = tf.Variable(tf.zeros([4]))
+        with tf.device(ps0):
+            on_ps = [tf.ones([3]), tf.ones([2, 2])]
+        worker = [tf.ones([3]), tf.ones([2, 2]), tf.ones([4])]
+        received = _keras._gradients_sent_together(list(zip(on_ps, [a, b])))
+        assert [r() for r in received] == on_ps
+        assert not [op for op in graph.get_operations() if op.type == "ConcatV2"]
+        # Made where the step runs: a and b's in one tensor, c's alone on its task.
+        received = _keras._gradients_sent_together(list(zip(worker, [a, b, c])))
+        assert received[2]() is worker[2]
+        with tf.device(ps0):
+            unpacked = [r() for r in received[:2]]
+        assert [u.shape for u in unpacked] == [g.shape for g in worker[:2]]
+        (concat,) = [op for op in graph.get_operations() if op.type == "ConcatV2"]
+        assert len(concat.inputs) == 3  # a's and b's gradients, and the axis
+
+
 def test_custom_loop_gradient_tape_works_with_sharded_embeddings(strategy):
     with strategy.scope():
         model = build()

@@ -275,6 +275,14 @@ def _sliced(packed, begin, size, shape):
     return tf.reshape(tf.gather(packed, tf.range(begin, begin + size)), shape)
 
 
+def _on_task_of(device, other):
+    """Whether the device string `device` names the task of the device `other`."""
+    if not device:
+        return False  # placed where the function runs: a worker
+    a, b = tf.DeviceSpec.from_string(device), tf.DeviceSpec.from_string(other)
+    return (a.job, a.replica or 0, a.task or 0) == (b.job, b.replica or 0, b.task or 0)
+
+
 def _gradients_sent_together(grads_and_vars):
     """For each `(gradient, variable)`, a function that returns the gradient where it
     is called: inside the variable's update, on its ps task.
@@ -283,14 +291,16 @@ def _gradients_sent_together(grads_and_vars):
     whatever its size. The small dense gradients of the variables of one ps task
     (of one dtype, each at most `PACKED_GRADIENT_BYTES`) are concatenated where
     they are computed and cross in one tensor; each update slices its own out,
-    on its ps task. Row updates (`tf.IndexedSlices`), gradients of unknown size and
-    a task's single gradient cross as before. Exact: the values are only copied.
+    on its ps task. Row updates (`tf.IndexedSlices`), gradients of unknown size,
+    gradients made on their variable's task already (sync training's means) and a
+    task's single gradient are left as they are. Exact: the values are only copied.
     """
     groups = {}
     for index, (gradient, variable) in enumerate(grads_and_vars):
         if (isinstance(gradient, tf.Tensor) and gradient.shape.is_fully_defined()
                 and gradient.shape.num_elements() * gradient.dtype.size
-                <= PACKED_GRADIENT_BYTES):
+                <= PACKED_GRADIENT_BYTES
+                and not _on_task_of(gradient.device, variable.device)):
             groups.setdefault((variable.device, gradient.dtype), []).append(index)
     received = [functools.partial(_itself, gradient) for gradient, _ in grads_and_vars]
     for members in groups.values():
