@@ -130,6 +130,25 @@ def test_the_four_sets_pooled_are_predicted_as_published():
     assert len(greedy) == 1 and greedy[0].split("|")[-3].strip() == "+10%", table
 
 
+def test_the_runs_after_the_gradients_were_packed_are_predicted_as_published():
+    """docs/figures.md, 2026-11-26f: the set made after each ps task's small gradients
+    crossed in one tensor (26% at worst with the ps links alone, 7% with the workers'
+    links); all five sets since the model was set, pooled: 24% and 10% (9.8%)."""
+    links = [r for name in LINKS for r in _committed(name, "link")]
+
+    def worst(suffixes):
+        records = [r for suffix in suffixes for r in _committed(
+            f"network_throughput_2026-11-26{suffix}.jsonl", "throughput")]
+        table = network.predict_table(records, ("1gbit", 2, "greedy", 1, 2), links=links)
+        cells = [cell.strip() for cell in table.splitlines()[-1].strip("|").split("|")]
+        return (cells[8 + 2 * 3], cells[8 + 2 * 4]), table
+
+    latest, table = worst("f")
+    assert latest == ("26%", "7%"), table
+    pooled, table = worst("bcdef")
+    assert pooled == ("24%", "10%"), table
+
+
 def _link(rate, out, into=None):
     record = {"mode": "link", "ps_rate": rate, "flows": 1, "both_ways": into is not None,
               "out_bits_per_s": out * 1e6}
