@@ -71,6 +71,8 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.utils import tracking
 from keras.src.utils.python_utils import pythonify_logs
 
+from kerasps.backend import _tf
+
 # `keras.Variable`: the TF backend's variable class, as layers create it.
 KerasTFVariable = keras_backend.Variable
 TensorFlowTrainer = tf_trainer.TensorFlowTrainer
@@ -275,12 +277,9 @@ def _sliced(packed, begin, size, shape):
     return tf.reshape(tf.gather(packed, tf.range(begin, begin + size)), shape)
 
 
-def _on_task_of(device, other):
-    """Whether the device string `device` names the task of the device `other`."""
-    if not device:
-        return False  # placed where the function runs: a worker
-    a, b = tf.DeviceSpec.from_string(device), tf.DeviceSpec.from_string(other)
-    return (a.job, a.replica or 0, a.task or 0) == (b.job, b.replica or 0, b.task or 0)
+def _made_on_ps_task_of(gradient, variable):
+    task = _tf.device_ps_task(gradient.device)  # `None`: where the step runs, a worker
+    return task is not None and task == _tf.device_ps_task(variable.device)
 
 
 def _gradients_sent_together(grads_and_vars):
@@ -300,7 +299,7 @@ def _gradients_sent_together(grads_and_vars):
         if (isinstance(gradient, tf.Tensor) and gradient.shape.is_fully_defined()
                 and gradient.shape.num_elements() * gradient.dtype.size
                 <= PACKED_GRADIENT_BYTES
-                and not _on_task_of(gradient.device, variable.device)):
+                and not _made_on_ps_task_of(gradient, variable)):
             groups.setdefault((variable.device, gradient.dtype), []).append(index)
     received = [functools.partial(_itself, gradient) for gradient, _ in grads_and_vars]
     for members in groups.values():
