@@ -1,7 +1,9 @@
 """MkDocs hooks for kerasps' documentation (`mkdocs build --strict`).
 
-* The tutorial notebooks are published beside the docs, so that `docs/tutorials.md`
-  links to them and the build checks those links.
+* The tutorial notebooks (`tutorials/*.ipynb`, outside `docs/`) are added to the site's
+  files under `tutorials/`, before mkdocs-jupyter looks at the files: it makes each a page,
+  with the outputs and plots the notebook is stored with (`execute: false` in mkdocs.yml),
+  which the nav lists and `docs/tutorials.md` links to (the build checks those links).
 * Every backticked API name in a page (`kerasps.cluster.from_tf_config`,
   `simulator.calibrate.predict_goodput`) must name something in the code, and every
   backticked repository path (`kerasps/sparse.py`, `tutorials/03_....ipynb`) must exist:
@@ -16,6 +18,7 @@ from functools import cache
 from pathlib import Path
 
 import griffe
+from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File
 
 ROOT = Path(__file__).parent
@@ -26,8 +29,10 @@ API_NAME = re.compile(r"`((?:kerasps|simulator)(?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
 REPO_PATH = re.compile(r"`((?:kerasps|simulator|benchmarks|tutorials|tests)/[A-Za-z0-9_./-]*)")
 
 
+@event_priority(100)  # before mkdocs-jupyter's `on_files` (default priority 0)
 def on_files(files, config):
-    """Adds `tutorials/*.ipynb` to the site, under `tutorials/`, as they are."""
+    """Adds `tutorials/*.ipynb` to the site's files, under `tutorials/`, for mkdocs-jupyter
+    to render as pages."""
     for notebook in sorted((ROOT / "tutorials").glob("*.ipynb")):
         files.append(File(f"tutorials/{notebook.name}", src_dir=str(ROOT),
                           dest_dir=config["site_dir"],
@@ -36,7 +41,10 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
-    """Warns about backticked API names and repository paths that do not exist."""
+    """Warns about backticked API names and repository paths that do not exist, in the
+    Markdown pages (a notebook's page gets its notebook's JSON here, which is not checked)."""
+    if page.file.src_uri.endswith(".ipynb"):
+        return markdown
     for name in sorted(set(API_NAME.findall(markdown))):
         if not _resolves(name):
             log.warning("Doc file '%s' names `%s`, which is not in the code",

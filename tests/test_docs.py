@@ -1,4 +1,4 @@
-"""The README and the documentation site's sources (docs/, built by `nox -s docs`).
+"""The README and the documentation site's sources (docs/, built by `mkdocs build --strict`).
 
 The README's quick start is what a newcomer types and what CI runs (`.ci/run` runs its
 test command verbatim): these tests fail when its two commands change shape, when the
@@ -7,6 +7,7 @@ renders those links; `mkdocs build --strict` checks the docs' own links).
 """
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,99 @@ def test_readme_links_every_docs_page_of_the_user_guide():
     pages = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")
                    if "api" not in p.parts)
     assert not [page for page in pages if f"]({page})" not in readme]
+
+
+# -- The documentation's code blocks (pytest-markdown-docs runs the `python` ones) ----------
+
+DOC_PAGES = sorted([README, *(ROOT / "docs").rglob("*.md")])
+GUIDES = sorted((ROOT / "docs" / "guide").glob("*.md"))
+FENCE = re.compile(r"(?m)^```(.*)$")
+
+
+def fences(markdown):
+    """The info strings of a page's fenced blocks (`python`, `{.python notest}`, ...)."""
+    return FENCE.findall(markdown)[0::2]
+
+
+def prose_lines(markdown):
+    """A page's lines outside fenced blocks and tables, link targets left out."""
+    inside = False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            inside = not inside
+        elif not inside and not line.startswith("|"):
+            yield re.sub(r"\]\([^)]*\)", "]()", line)
+
+
+@pytest.mark.parametrize("guide", GUIDES, ids=lambda path: path.name)
+def test_every_guide_page_opens_with_a_python_program(guide):
+    infos = fences(guide.read_text())
+    assert infos and infos[0] == "python", f"first block: {infos[:1]}"
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=lambda path: path.relative_to(ROOT).as_posix())
+def test_python_blocks_run_or_are_skipped_in_the_form_mkdocs_renders(page):
+    # ```python runs; a skipped block is ```{.python notest}: MkDocs (superfences) renders
+    # `python notest` as plain text, and `py`/`python3` would be run but read as other
+    # languages by readers and tools.
+    infos = [info.strip() for info in fences(page.read_text())]
+    python = [info for info in infos if "python" in info or info in ("py", "python3")]
+    assert not [info for info in python if info not in ("python", "{.python notest}")]
+
+
+@pytest.mark.parametrize("page", [README, *GUIDES, ROOT / "docs" / "index.md",
+                                  ROOT / "docs" / "tutorials.md"],
+                         ids=lambda path: path.relative_to(ROOT).as_posix())
+def test_prose_lines_are_under_100_characters(page):
+    assert not [line for line in prose_lines(page.read_text()) if len(line) >= 100]
+
+
+def test_the_default_run_collects_the_documentation_blocks():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    pytest_options = config["tool"]["pytest"]["ini_options"]
+    assert {"docs", "README.md"} <= set(pytest_options["testpaths"])
+    assert "--markdown-docs" in pytest_options["addopts"].split()
+    assert [r for r in config["project"]["optional-dependencies"]["test"]
+            if r.startswith("pytest-markdown-docs>=")]
+
+
+def test_the_docs_extra_renders_the_tutorials():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert [r for r in config["project"]["optional-dependencies"]["docs"]
+            if r.startswith("mkdocs-jupyter>=")]
+
+
+def readme_section(title):
+    section = re.search(rf"(?ms)^## {title}\n(.*?)(?=^## |\Z)", README.read_text())
+    assert section, f"no '## {title}' section"
+    return section.group(1)
+
+
+def test_readme_figures_are_one_short_line_per_result_without_dates():
+    figures = readme_section("Figures")
+    rows = [line for line in figures.splitlines() if line.startswith("| ")][1:]
+    assert rows, "the Figures table"
+    assert not re.search(r"\b20\d\d-\d\d-\d\d", figures), "dates belong in docs/figures.md"
+    assert not [row for row in rows if row.count("|") != 4 or len(row) > 200]
+    assert "](docs/figures.md)" in figures
+
+
+def test_readme_says_how_to_build_the_docs_without_nox():
+    documentation = readme_section("Documentation")
+    assert 'pip install ".[docs]" && NO_MKDOCS_2_WARNING=1 mkdocs build --strict' in documentation
+    if "nox -s docs" in documentation:
+        assert "pip install nox" in documentation or '".[dev]"' in documentation
+
+
+def test_readme_names_the_library_that_runs_the_examples():
+    assert "pytest-markdown-docs" in readme_section("Documentation")
+
+
+def test_every_tutorial_is_a_page_of_the_site():
+    mkdocs = (ROOT / "mkdocs.yml").read_text()
+    tutorials = (ROOT / "docs" / "tutorials.md").read_text()
+    notebooks = sorted(p.name for p in (ROOT / "tutorials").glob("*.ipynb"))
+    assert notebooks
+    assert not [n for n in notebooks if f": tutorials/{n}\n" not in mkdocs]
+    assert not [n for n in notebooks if f"](tutorials/{n})" not in tutorials]
+    assert re.search(r"(?m)^  - mkdocs-jupyter:\n      execute: false$", mkdocs)
