@@ -163,7 +163,7 @@ def run_variant(variant, spe, steps, fits):
         iterator = pipelines["train"].persistent_iterator()
         if variant == "schedule_loop":
             function = steps_lib.make_train_function(model, with_logs=False)
-            args = (iterator, spe)
+            args = steps_lib.train_arguments(model, iterator, spe)
         else:
             function = tf.function(lambda: None)
             args = ()
@@ -219,17 +219,19 @@ def paired(spe, steps, fits, variants):
             if name == "no_loss_metric":
                 object.__delattr__(model._loss_tracker, "update_state")
 
-    functions = {}
+    functions = {}  # name -> (function, its arguments)
     for name in variants:
         steps_lib.forget_step_functions(model)
         with variant(name):
-            functions[name] = steps_lib.make_train_function(
-                model, with_logs=name.startswith("logs"))
-            coordinator.schedule(functions[name], args=(iterator, spe))
+            functions[name] = (steps_lib.make_train_function(
+                model, with_logs=name.startswith("logs")),
+                steps_lib.train_arguments(model, iterator, spe))
+            coordinator.schedule(functions[name][0], args=functions[name][1])
             coordinator.join()
 
     def run(name):
-        results = [coordinator.schedule(functions[name], args=(iterator, spe))
+        function, args = functions[name]
+        results = [coordinator.schedule(function, args=args)
                    for _ in range(steps // spe)]
         coordinator.join()
         for result in results:

@@ -214,10 +214,12 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         max_staleness: async only: the most updates a gradient may be behind
             when applied; the coordinator holds back fast workers instead
             (stale synchronous parallel). `None` (default): unbounded.
-        step_timeout: sync only: seconds a global step waits for its
-            gradients (a worker lost with no backup to replace it, and not
-            restarted) before `fit` fails naming the workers that do not
-            answer. Default 600.
+        step_timeout: seconds a call waits with none of its scheduled
+            functions finishing (in sync mode: a global step for its
+            gradients; a worker lost with no backup to replace it, and not
+            restarted) before it fails with a `TimeoutError` naming the
+            workers that do not answer; the wait is logged every 30 s before
+            that. Default 600.
         min_workers: the elastic pool's lower bound. Every declared worker
             must answer when the strategy connects (TensorFlow's coordinator
             creates its context on each); after that any may leave and come
@@ -259,6 +261,7 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         placement_lib.get_placer(placement, num_ps)  # validate before connecting
         hooks.install()
         first_connection = not _tf.connected()
+        _tf.forget_functions_of_earlier_connections()
         super().__init__(cluster_resolver, variable_partitioner=None)
         if first_connection:
             _warn_of_deleted_variables(_keras.disown_variables_of_old_context())

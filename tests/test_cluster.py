@@ -76,6 +76,59 @@ def test_in_process_servers_share_an_inter_op_pool_sized_for_all_their_tasks():
     assert pool >= 4 * alone  # 2 workers and 2 ps
 
 
+def test_in_process_runs_one_cluster_of_each_shape_however_often_asked():
+    # Each in-process cluster of 2 workers and 2 ps holds ~450 threads that TensorFlow
+    # cannot stop: a test suite asking for a cluster per test aborted its process after
+    # some dozens ("Thread GrpcWorkerEnvPool creation via pthread_create() failed").
+    out = run_python("""
+        import os
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        import keras, tensorflow as tf, kerasps
+        def threads():
+            return len(os.listdir("/proc/self/task"))
+        def addresses(resolver):
+            return sorted(sum(resolver.cluster_spec().as_dict().values(), []))
+        first = kerasps.cluster.in_process(2, 2)
+        started = threads()
+        for _ in range(3):
+            again = kerasps.cluster.in_process(2, 2)
+            strategy = kerasps.ParameterServerStrategy(again)
+            with strategy.scope():
+                model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+                model.compile("sgd", "mse")
+            model.fit(tf.data.Dataset.from_tensors((tf.ones((4, 2)), tf.ones((4, 1))))
+                      .repeat(), steps_per_epoch=2, epochs=1, verbose=0)
+            assert addresses(again) == addresses(first)
+        other = kerasps.cluster.in_process(1, 2)
+        assert not set(addresses(other)) & set(addresses(first))
+        print("GROWTH", threads() - started)
+    """)
+    [growth] = [int(line.split()[1]) for line in out.splitlines() if line.startswith("GROWTH")]
+    # A second cluster (1 worker, 2 ps) starts its own servers; 3 more of 2 x 2 did not.
+    assert growth < 2 * 450
+
+
+def test_exactly_once_input_of_one_spec_reads_on_a_second_cluster():
+    # TensorFlow caches the tf.data service reader's uncompress function per element
+    # spec, in the context of the cluster connected then: the second cluster's `fit`
+    # failed with "Could not find required function definition
+    # __inference_DataServiceDataset_uncompress_lambda_N".
+    out = run_python("""
+        import os
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        import keras, numpy as np, kerasps
+        x, y = np.ones((32, 2), "float32"), np.ones((32, 1), "float32")
+        for workers in (1, 2):
+            strategy = kerasps.ParameterServerStrategy(kerasps.cluster.in_process(workers, 1))
+            with strategy.scope():
+                model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+                model.compile("sgd", "mse")
+            history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+            print("EPOCHS", len(history.history["loss"]))
+    """)
+    assert out.count("EPOCHS 1") == 2
+
+
 def test_in_process_sets_grpc_fail_fast_and_counts_tasks(cluster):
     assert os.environ["GRPC_FAIL_FAST"] == "use_caller"
     jobs = cluster.cluster_spec().as_dict()

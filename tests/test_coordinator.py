@@ -311,3 +311,40 @@ def test_results_reach_the_coordinator_without_a_function_run_on_it():
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "wrapped []" in result.stdout, result.stdout
+
+
+def test_a_wait_with_no_function_finishing_is_reported_then_ends(make_strategy, monkeypatch,
+                                                                 caplog):
+    # Nothing bounded the end of an epoch's wait (`coordinator.join()`): a function that
+    # never finished held `fit` without a word (chaos soak: 3 of 21 jobs stalled ~28 s
+    # after their last step).
+    from kerasps.keras.trainer import dispatch
+
+    strategy = make_strategy(step_timeout=4.0)
+    coordinator = kerasps.ClusterCoordinator(strategy)
+    with strategy.scope():
+        released = keras.Variable(0.0, name="released")
+
+    @tf.function
+    def held():
+        return _wait_for(released)
+
+    monkeypatch.setattr(dispatch, "STALL_REPORT_S", 1.0)
+    window = dispatch.Window(coordinator)
+    window.schedule(held, (), tag=0)
+    try:
+        with caplog.at_level("WARNING", logger="kerasps"):
+            with pytest.raises(TimeoutError, match=r"No scheduled function has finished for "
+                                                   r"\d+ s \(`step_timeout`.*1 still wait"):
+                list(window.drain())
+        reports = [r.getMessage() for r in caplog.records
+                   if "No scheduled function has finished" in r.getMessage()]
+        assert 2 <= len(reports) <= 4  # one a second, from the first second on
+        assert "workers that do not answer: none" in reports[0]
+    finally:
+        released.assign(1.0)
+        coordinator.join()
+    # A window whose functions finish drains as before.
+    window = dispatch.Window(coordinator)
+    window.schedule(held, (), tag=1)
+    assert [tag for tag, _ in window.drain()] == [1]

@@ -418,6 +418,20 @@ def observe_worker_failures(observer):
     return lambda: _failure_observers.remove(observer)
 
 
+def trace_for_workers(strategy, function, args):
+    """Traces the `tf.function` `function` for `args` as `schedule` will (per-worker
+    values by the first worker's type spec, inside the strategy's scope), on this
+    thread; returns the concrete function."""
+    specs = nest.map_structure(cluster_coordinator._maybe_as_type_spec,
+                               cluster_coordinator._select_worker_slice(0, args))
+    with strategy.scope():
+        strategy.extended._being_scheduled = True
+        try:
+            return function.get_concrete_function(*specs)
+        finally:
+            strategy.extended._being_scheduled = False
+
+
 _pinned_installed = False
 
 
@@ -527,6 +541,22 @@ def task_address(job: str, task: int) -> str | None:
 def ps_task_alive(ps_task: int) -> bool:
     """True if the ps task answers (a restarted one included)."""
     return task_alive("ps", ps_task)
+
+
+def forget_functions_of_earlier_connections():
+    """Clears TensorFlow's module-level cache of functions made in the eager context of
+    an earlier connection, before a strategy connects.
+
+    The tf.data service reader's uncompress function is cached per element spec
+    (`data_service_ops._get_uncompress_func`, an `lru_cache`) and lives in the
+    context of the cluster connected when it was made: after a connection to
+    another cluster, exactly-once input of an element spec read before failed with
+    `Could not find required function definition
+    __inference_DataServiceDataset_uncompress_lambda_N`.
+    """
+    from tensorflow.python.data.experimental.ops import data_service_ops
+
+    data_service_ops._get_uncompress_func.cache_clear()
 
 
 def connected() -> bool:
@@ -658,3 +688,19 @@ def stop_coordinator(tf_coordinator, strategy):
     """
     tf_coordinator._cluster.stop()
     strategy._cluster_coordinator = None
+
+
+def rebuild_per_worker_resources(tf_coordinator, per_worker_values):
+    """Makes each of `per_worker_values` (per-worker resources of `Worker.create_resource`,
+    such as iterators, in worker order) again on its worker, from the start, as
+    TensorFlow's coordinator does for a worker that came back: the function that made
+    it runs again there and the same `RemoteValue` then holds the new resource.
+
+    It runs on the worker's own queue, which the worker serves before the shared one:
+    a function scheduled afterwards on that worker finds the new resource. A worker
+    found failed is skipped (TensorFlow rebuilds its resources once it is back).
+    """
+    for worker, remote in zip(workers(tf_coordinator), per_worker_values._values):
+        with worker._resource_tracking_lock:
+            if not worker._is_dead_with_error:
+                worker._schedule_resource(remote._closure)

@@ -66,6 +66,8 @@ JOBSET_PORT = 2222  # every task serves on this port (TFJob's default)
 # In-process servers cannot be stopped; keep them referenced for the process lifetime.
 _SERVERS = []
 _LOCK = threading.Lock()
+_IN_PROCESS = {}  # (num_workers, num_ps) -> the ClusterSpec of `in_process` servers here
+_IN_PROCESS_LOCK = threading.Lock()
 
 
 def _program_name() -> str:
@@ -174,8 +176,13 @@ def in_process(num_workers: int = 2, num_ps: int = 2):
 
     Every worker and ps task is a real `tf.distribute.Server` with gRPC on
     `localhost`; the calling process is the coordinator (`chief`). The servers
-    live until the process exits (TensorFlow cannot stop them), so share one
-    cluster between strategies instead of starting one per test.
+    live until the process exits (TensorFlow cannot stop them) and hold about
+    a hundred threads each, so a later call with the same counts returns the
+    cluster already running here: a notebook cell run again, or a test suite
+    that asks for a cluster per test, does not pile up servers until the
+    process can start no thread (TensorFlow then aborts it). A strategy made
+    on a cluster another strategy used takes the cluster over, as when both
+    share one resolver.
 
     Args:
         num_workers: number of worker tasks, at least 1.
@@ -190,14 +197,19 @@ def in_process(num_workers: int = 2, num_ps: int = 2):
     import tensorflow as tf
 
     _enable_fail_fast()
-    cluster = {
-        "worker": [f"localhost:{portpicker.pick_unused_port()}" for _ in range(num_workers)],
-        "ps": [f"localhost:{portpicker.pick_unused_port()}" for _ in range(num_ps)],
-    }
-    spec = tf.train.ClusterSpec(cluster)
-    for task_type in ("worker", "ps"):
-        for i in range(len(cluster[task_type])):
-            start_server(spec, task_type, i, num_workers, num_workers + num_ps)
+    with _IN_PROCESS_LOCK:
+        spec = _IN_PROCESS.get((num_workers, num_ps))
+        if spec is None:
+            cluster = {
+                "worker": [f"localhost:{portpicker.pick_unused_port()}"
+                           for _ in range(num_workers)],
+                "ps": [f"localhost:{portpicker.pick_unused_port()}" for _ in range(num_ps)],
+            }
+            spec = tf.train.ClusterSpec(cluster)
+            for task_type in ("worker", "ps"):
+                for i in range(len(cluster[task_type])):
+                    start_server(spec, task_type, i, num_workers, num_workers + num_ps)
+            _IN_PROCESS[(num_workers, num_ps)] = spec
     return tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc")
 
 

@@ -241,7 +241,16 @@ class ClusterCoordinator:
             return
         with self._trace_lock:
             entry = self._labels.setdefault(id(remote_value), (remote_value, {}))
-            entry[1].update(fields)
+            if entry[1] is not None:
+                entry[1].update(fields)
+
+    def untraced(self, remote_value):
+        """Leaves the function that returned `remote_value` out of the trace (a run that
+        takes no training step, such as `fit`'s warm-up)."""
+        if self._trace is None:
+            return
+        with self._trace_lock:
+            self._labels[id(remote_value)] = (remote_value, None)
 
     @property
     def tracing(self) -> bool:
@@ -256,7 +265,8 @@ class ClusterCoordinator:
                 self._remove_observer()
                 self._remove_observer = None
         events = [dataclasses.replace(event, **labels[key][1]) if key in labels else event
-                  for event, key in recorded]
+                  for event, key in recorded
+                  if key not in labels or labels[key][1] is not None]
         return trace_lib.with_staleness(sorted(events, key=lambda e: e.start))
 
     def _on_executed(self, worker_index, start, end, remote_value=None):

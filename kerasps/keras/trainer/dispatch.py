@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import time
 
 import tensorflow as tf
@@ -11,6 +12,11 @@ from kerasps.backend import _keras, _tf
 
 # Scheduled functions kept in flight per worker: one running, one queued.
 STEPS_IN_FLIGHT_PER_WORKER = 2
+# Seconds without any scheduled function finishing after which the window says what it
+# waits for (and again after as many more), until the strategy's `step_timeout`.
+STALL_REPORT_S = 30.0
+
+_log = logging.getLogger("kerasps")
 
 
 class Window:
@@ -33,6 +39,9 @@ class Window:
         # A `kerasps.consistency.StalenessBound` (its tokens: the remote values of the
         # functions it counts), and the steps of the next function.
         self.bound, self.steps = bound, steps
+        self.timeout = coordinator.strategy.step_timeout
+        self._stalled_since = None  # start of the current wait with no function finishing
+        self._reported = 0  # stall reports since then
 
     def schedule(self, function, args, tag, steps=1, worker=None):
         """Schedules `function(*args)` (on worker `worker` if given, as
@@ -65,14 +74,49 @@ class Window:
             unfinished = self._unfinished()
             if len(unfinished) < self.capacity and self._admits() and (
                     len(self.pending) < self.BACKLOG_PER_SLOT * self.capacity):
+                self._stalled_since = None
                 return
             # Full: wait for any unfinished function to finish (the oldest may be
             # stuck on a failed worker while the others go on).
-            _tf.wait_for_any(unfinished, timeout=1.0)
+            self._wait(unfinished)
+
+    def _wait(self, unfinished):
+        """Waits up to a second for any of `unfinished` to finish.
+
+        A wait with no function finishing is reported every `STALL_REPORT_S`
+        seconds (how many wait, which workers do not answer) and ends with a
+        `TimeoutError` after the strategy's `step_timeout`: no `fit`, `evaluate`
+        or `predict` waits without a word, or for ever.
+        """
+        if self._stalled_since is None:
+            self._stalled_since, self._reported = time.monotonic(), 0
+        count = len(unfinished)
+        _tf.wait_for_any(unfinished, timeout=1.0)
+        if len(self._unfinished()) < count:
+            self._stalled_since = None
+            return
+        waited = time.monotonic() - self._stalled_since
+        if waited < STALL_REPORT_S * (self._reported + 1) and waited < self.timeout:
+            return
+        self._reported += 1
+        silent = [i for i in range(self.coordinator.num_workers)
+                  if not _tf.task_alive("worker", i)]
+        workers = ", ".join(f"/job:worker/task:{i}" for i in silent) or "none"
+        if waited >= self.timeout:
+            raise TimeoutError(
+                f"No scheduled function has finished for {waited:.0f} s (`step_timeout` of "
+                f"the strategy); {count} still wait to run or finish. Workers that do not "
+                f"answer: {workers}.")
+        _log.warning("No scheduled function has finished for %.0f s; %d still wait to run "
+                     "or finish (workers that do not answer: %s). Giving up after %g s "
+                     "(`step_timeout` of the strategy).", waited, count, workers, self.timeout)
 
     def drain(self):
         """Waits for everything scheduled; yields the remaining results in order."""
-        self.coordinator.join()
+        self._stalled_since = None
+        while unfinished := self._unfinished():
+            self._wait(unfinished)
+        self.coordinator.join()  # raises the first error
         while self.pending:
             tag, remote = self.pending.popleft()
             yield tag, remote.fetch()

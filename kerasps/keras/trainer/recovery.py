@@ -17,7 +17,9 @@ restart agent, or by Kubernetes) comes back empty. When `fit` has a
 2. After an error, one variable on each ps task is read; the tasks whose
    reads fail lost their state (`failures.decide` takes it from there).
 3. `restore_lost_state` waits for those tasks to answer, re-establishes the
-   coordinator's context with the cluster, gives every variable they held a
+   coordinator's context with the cluster, starts every worker's input pipeline
+   again (a function failed or cancelled while it waited for its next element
+   ended its iterator for good), gives every variable they held a
    new resource, restores every variable from the latest backup (those on
    the surviving tasks too, so the state is exactly the backup's), resets
    the metrics and forgets the traced step functions. Layers with other
@@ -189,6 +191,7 @@ def recover(error, model, backup: Backup | None, epoch: int, finished: int,
         _log.warning("A ps task was unreachable at epoch %d step %d but holds its variables; "
                      "running the failed steps again in %.1f s.", epoch + 1, finished, delay)
         time.sleep(delay)  # the workers' connections to it back off before reconnecting
+        restart_training_input(model)
         return Progress(epoch, finished)
     _log.warning("ps task(s) %s lost their variables at epoch %d step %d; restoring the latest "
                  "backup once they answer again.", ", ".join(map(str, lost)), epoch + 1,
@@ -199,6 +202,23 @@ def recover(error, model, backup: Backup | None, epoch: int, finished: int,
     _log.warning("Restored the backup of epoch %d step %d in %.1f s: %d step(s) run again.",
                  progress.epoch + 1, progress.step, time.monotonic() - start, rerun)
     return progress
+
+
+def restart_training_input(model):
+    """Starts every worker's training input pipeline again (the persistent iterators of
+    `fit`), after a failure that failed or cancelled the functions in flight.
+
+    A function failed or cancelled while it waited for its next element leaves its
+    worker's iterator cancelled for good, and every later read of it ends the
+    input although it is repeated (see `per_worker.restart_persistent_iterators`).
+    Which iterators were hit is not known, so all start again, as a restarted
+    worker's do.
+    """
+    from kerasps.runtime.coordinator import ClusterCoordinator
+    from kerasps.runtime.input import per_worker
+
+    per_worker.restart_persistent_iterators(
+        ClusterCoordinator(model.distribute_strategy)._tf_coordinator)
 
 
 def restore_lost_state(model, backup: Backup, ps_tasks) -> Progress:
@@ -215,6 +235,7 @@ def restore_lost_state(model, backup: Backup, ps_tasks) -> Progress:
     from kerasps.runtime.coordinator import ClusterCoordinator
 
     _tf.reconnect_cluster(ClusterCoordinator(model.distribute_strategy)._tf_coordinator)
+    restart_training_input(model)
     renewed = [v for v in _state_variables(model) if _ps_task(v) in ps_tasks]
     for variable in renewed:
         _tf.renew_variable(variable)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import tensorflow as tf
 from keras import tree
 
-from kerasps.backend import _keras
+from kerasps.backend import _keras, _tf
 from kerasps.keras.trainer import staleness
+from kerasps.keras.trainer.dispatch import Window
 
 
 def step_functions(model) -> dict:
@@ -67,34 +68,73 @@ def unpack(model, result):
     return result
 
 
+def _unrolled(model) -> int:
+    return max(1, int(getattr(model, "unrolled_steps_per_execution", 1) or 1))
+
+
+def counts_as_tensor(model) -> bool:
+    """True if the training functions take their step count as a tensor argument:
+    with `steps_per_execution > 1` and no unrolling, every step runs in the function's
+    `tf.while_loop`, so one trace serves every count (an epoch's remainder included)
+    and a run of zero steps trains nothing (`prepare`)."""
+    return model.steps_per_execution > 1 and _unrolled(model) == 1
+
+
+def train_arguments(model, iterator, steps: int) -> tuple:
+    """The arguments to schedule `make_train_function(model, ...)` with, for `steps`
+    steps."""
+    if not counts_as_tensor(model):
+        return (iterator, steps)
+    counts = step_functions(model).setdefault("counts", {})
+    if steps not in counts:
+        with tf.init_scope():
+            counts[steps] = tf.constant(steps, tf.int32)
+    return (iterator, counts[steps])
+
+
 def make_train_function(model, with_logs=True):
     """The function scheduled to run `steps` training steps on a worker.
 
     With `with_logs=False` it returns nothing: its result needs no copy to the
     coordinator and no fetch, for the steps whose logs no callback reads. The
-    steps themselves (and the metric updates on the ps) are the same.
+    steps themselves (and the metric updates on the ps) are the same. Schedule
+    it with `train_arguments(model, iterator, steps)`.
     """
     cache = step_functions(model)
     name = "train" if with_logs else "train_without_logs"
     if name in cache:
         return cache[name]
     strategy = model.distribute_strategy
-    unrolled = max(1, int(getattr(model, "unrolled_steps_per_execution", 1) or 1))
+    unrolled = _unrolled(model)
+    dynamic = counts_as_tensor(model)
 
     @tf.autograph.experimental.do_not_convert
-    def train_function(iterator, steps: int):
-        # `steps` is a Python int: one trace per value (`steps_per_execution` and an
-        # epoch's remainder). A `tf.while_loop` runs Keras'
-        # `model.unrolled_steps_per_execution` steps per iteration (default 1): an
-        # iteration's body runs as a function of its own on the worker and on every
-        # ps task, which costs more than the steps of a small model.
+    def train_function(iterator, steps):
         def run(count, outputs=None):
             for _ in range(count):
                 outputs = strategy.run(staleness.measured(model, model.train_step, cache),
                                        args=(next(iterator),))
                 outputs = _keras.reduce_per_replica(outputs, strategy, reduction="auto")
+                # The logs' keys, known once traced (`logs_are_metrics`).
+                cache["logs_keys"] = tuple(outputs) if isinstance(outputs, dict) else None
             return outputs
 
+        def loop(count, chunk):
+            def body(i):
+                run(chunk)
+                return i + 1
+
+            tf.while_loop(lambda i: i < count, body, (tf.constant(0),))
+
+        if dynamic:
+            # `steps` is a tensor: every step but one returning logs runs in the loop.
+            loop(steps - 1 if with_logs else steps, 1)
+            return _packed(run(1), cache) if with_logs else None
+        # `steps` is a Python int: one trace per value (`steps_per_execution` and an
+        # epoch's remainder). A `tf.while_loop` runs Keras'
+        # `model.unrolled_steps_per_execution` steps per iteration (default 1): an
+        # iteration's body runs as a function of its own on the worker and on every
+        # ps task, which costs more than the steps of a small model.
         chunk = min(unrolled, steps)
         loops, rest = divmod(steps, chunk)
         # With logs, the last chunk runs after the loop and returns them: a loop that
@@ -102,17 +142,60 @@ def make_train_function(model, with_logs=True):
         # ps tasks every step. A single chunk needs no loop.
         looped = loops - 1 if with_logs or loops == 1 else loops
         if looped:
-            def body(i):
-                run(chunk)
-                return i + 1
-
-            tf.while_loop(lambda i: i < looped, body, (tf.constant(0),))
+            loop(looped, chunk)
         outputs = run(chunk) if looped < loops else None
         outputs = run(rest, outputs)
         return _packed(outputs, cache) if with_logs else None
 
     cache[name] = tf.function(train_function, reduce_retracing=True)
     return cache[name]
+
+
+def logs_are_metrics(model) -> bool:
+    """True if the logs of the model's training step are its metrics' results (Keras'
+    `train_step`): the epoch's logs are then read from the metrics, and no step needs
+    to return its own. Known once a training function is traced."""
+    cache = step_functions(model)
+    if "logs_are_metrics" not in cache:
+        keys = cache.get("logs_keys")
+        cache["logs_are_metrics"] = keys is not None and (
+            set(keys) - {staleness.STALENESS} == set(model.get_metrics_result()))
+    return cache["logs_are_metrics"]
+
+
+def prepare(coordinator, model, iterator) -> bool:
+    """Before a `fit`'s first step: traces the function its steps run without logs, and
+    instantiates it on every worker that has not run it yet.
+
+    A worker instantiates a function the first time it runs it (it optimizes its
+    graph and sends its parts to the ps tasks: about as long as tracing it), so a
+    `fit` whose first function without logs ran on a worker that had not run it
+    paid that inside its first steps (a short `fit`, all of whose functions return
+    logs, then a longer one). Where the step count is a tensor
+    (`counts_as_tensor`), a run of zero steps instantiates it and trains nothing.
+    A worker that does not answer, or a run that fails, is left for the first
+    step (which then meets the same failure, and `fit`'s recovery with it).
+
+    Returns:
+        `logs_are_metrics(model)`.
+    """
+    function = make_train_function(model, with_logs=False)
+    _tf.trace_for_workers(coordinator.strategy, function,
+                          train_arguments(model, iterator, model.steps_per_execution))
+    if counts_as_tensor(model):
+        warm = step_functions(model).setdefault("warm_workers", set())
+        runs = [(worker, coordinator.schedule_on(
+                    worker, function, train_arguments(model, iterator, 0)))
+                for worker in range(coordinator.num_workers)
+                if worker not in warm and _tf.task_alive("worker", worker)]
+        for _, remote in runs:
+            coordinator.untraced(remote)
+        try:
+            coordinator.join()
+            warm.update(worker for worker, _ in runs)
+        except (tf.errors.OpError, *_tf.CLOSURE_ERRORS):
+            Window(coordinator).abandon()  # and the errors of the other runs
+    return logs_are_metrics(model)
 
 
 def make_train_to_end_function(model, with_logs=True):

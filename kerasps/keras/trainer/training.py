@@ -23,7 +23,9 @@ from kerasps.keras.trainer.inputs import (
 from kerasps.keras.trainer.steps import (
     make_train_function,
     make_train_to_end_function,
+    prepare,
     step_functions,
+    train_arguments,
     unpack,
 )
 from kerasps.keras.trainer.sync import SyncSteps
@@ -165,9 +167,15 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             f"`steps_per_execution={spe}` is not used in synchronous mode: every global step "
             "waits for the workers' gradients, one step at a time.", stacklevel=2)
     iterator = None if to_end else per_worker.persistent_iterator()
+    per_worker.reading = not to_end
     renewed_at = None  # (epoch, step) where the input pipelines were last rebuilt
     retried_at, retries = None, 0  # (epoch, step) of the last recovery; recoveries there
     backup = recovery.Backup.of(callbacks)
+    # Functions that return logs run where a callback reads them, and where the step's
+    # logs are not the metrics' results (a custom `train_step`): at an epoch's ends.
+    custom_logs = True
+    if not to_end and not consistency.sync:
+        custom_logs = not prepare(coordinator, model, iterator)
     model.stop_training = False
     callbacks.on_train_begin()
     initial_epoch = model._initial_epoch or initial_epoch
@@ -274,7 +282,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                             # trains on what its reader still holds.
                             try:
                                 window.schedule(make_train_function(model, batch_logs or first),
-                                                (iterator, 1), None)
+                                                train_arguments(model, iterator, 1), None)
                                 step, first = step + 1, False
                                 deliver_counted(window.ready())
                             except tf.errors.OutOfRangeError:
@@ -299,10 +307,10 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                         n = min(spe, steps_per_epoch - step)
                         pool.wait_for_quorum()
                         callbacks.on_train_batch_begin(step)
-                        # Logs come back when a callback reads them, and from the first
-                        # and last functions of the epoch (the epoch logs' keys).
-                        with_logs = batch_logs or first or step + n == steps_per_epoch
-                        window.schedule(make_train_function(model, with_logs), (iterator, n),
+                        with_logs = batch_logs or custom_logs and (
+                            first or step + n == steps_per_epoch)
+                        window.schedule(make_train_function(model, with_logs),
+                                        train_arguments(model, iterator, n),
                                         step + n - 1, steps=n)
                         step, first = step + n, False
                         deliver(window.ready())
@@ -315,7 +323,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                     if synchronous is not None:
                         synchronous.drain()
                     epoch_logs = dict(_keras.metrics_result_or_logs(
-                        model, staleness.without_counts(logs)))
+                        model, staleness.without_counts(logs)) if custom_logs else (
+                            model.get_metrics_result()))
                     epoch_logs.update(staleness.epoch_logs(model, step_functions(model)))
                     epoch_logs[staleness.DROPPED] = dropped
                     break
@@ -375,6 +384,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             training_logs = epoch_logs
             if model.stop_training:
                 break
+    per_worker.reading = False
     if model.optimizer is not None and epochs > 0:
         model.optimizer.finalize_variable_values(model.trainable_weights)
     callbacks.on_train_end(logs=training_logs)

@@ -3,6 +3,8 @@ job that the workers share."""
 
 from __future__ import annotations
 
+import weakref
+
 import tensorflow as tf
 
 from kerasps.backend import _tf
@@ -179,9 +181,16 @@ class PerWorkerDataset:
         rebuilding iterators: TensorFlow frees an iterator's functions on every
         worker, which waits behind the steps running there (seconds per `fit`).
         """
-        if getattr(self, "_persistent_iterator", None) is None:
+        if getattr(self, "_persistent_iterator", None) is None or self.reading:
+            # A call that read it ended by an error (or Ctrl-C), which may have left a
+            # worker's iterator cancelled for good (`restart_persistent_iterators`).
             self._persistent_iterator = iter(self)
+            _PERSISTENT.add(self)
         return self._persistent_iterator
+
+    # True while a call (`fit`) reads the persistent iterator; it sets it back when it
+    # ends normally.
+    reading = False
 
     def renew_persistent_iterator(self):
         """Replaces the persistent iterators by new ones (every worker's pipeline
@@ -194,3 +203,27 @@ class PerWorkerDataset:
         if self._served is not None:
             return self._served.element_spec
         return self._functions[0].structured_outputs.element_spec
+
+
+# The datasets whose persistent iterators `restart_persistent_iterators` starts again.
+_PERSISTENT = weakref.WeakSet()
+
+
+def restart_persistent_iterators(tf_coordinator):
+    """Starts every worker's pipeline of each persistent iterator on `tf_coordinator`'s
+    workers again, in place: whoever holds the iterator keeps it and reads the new
+    pipelines (those functions scheduled from now on).
+
+    A scheduled function that fails or is cancelled while its `next(iterator)` waits
+    for an element leaves that worker's iterator cancelled for good: TensorFlow's
+    `IteratorGetNext` passes the function's cancellation on to the iterator itself
+    (`IteratorResource::GetNext`), and the prefetch at the top of the worker's
+    per-device pipeline (`OwnedMultiDeviceIterator`) then reports the end of the
+    sequence on every later read, although the input is repeated. A lost ps task
+    fails or cancels every function in flight, so `fit` calls this once it goes on
+    after one (as TensorFlow rebuilds a restarted worker's pipelines).
+    """
+    for dataset in list(_PERSISTENT):
+        iterator = getattr(dataset, "_persistent_iterator", None)
+        if iterator is not None and dataset._coordinator is tf_coordinator:
+            _tf.rebuild_per_worker_resources(tf_coordinator, iterator)
