@@ -39,20 +39,26 @@ def _run(args) -> int:
     result = run(scenario, record_events=args.trace is not None)
     print(result)
     if args.json:
-        result.to_json(args.json)
+        _wrote(result.to_json, args.json)
     if args.csv:
-        result.to_csv(args.csv)
+        _wrote(result.to_csv, args.csv)
     if args.trace:
-        to_perfetto(result, args.trace)
+        _wrote(lambda path: to_perfetto(result, path), args.trace)
     if args.plot:
-        plots.plot_result(result).savefig(args.plot)
+        _wrote(plots.plot_result(result).savefig, args.plot)
     return 0
+
+
+def _wrote(write, path) -> None:
+    """Writes `path` with `write(path)` and says so: one "wrote PATH" line per file."""
+    write(path)
+    print(f"wrote {path}")
 
 
 def _sweep(args) -> int:
     from simulator import plots
     from simulator.metrics import metric_names
-    from simulator.sweep import sweep, sweep_csv, sweep_rows
+    from simulator.sweep import sweep, sweep_csv, sweep_rows, sweep_table
 
     scenario = load_scenario(args.scenario)
     vary = {k: [parse_value(v) for v in values.split(",")]
@@ -68,20 +74,22 @@ def _sweep(args) -> int:
                             f"Received: --metric {args.metric}")
     points = sweep(scenario, vary, repeats=args.repeats, source="--vary")
     rows = sweep_rows(points)
-    columns = list(vary) + _sweep_columns(rows)
-    print("  ".join(f"{c:>{max(len(c), 10)}}" for c in columns))
-    for row in rows:
-        print("  ".join(f"{_fmt(row.get(c)):>{max(len(c), 10)}}" for c in columns))
+    print(sweep_table(rows, list(vary) + (["seed"] if args.repeats > 1 else []),
+                      _sweep_columns(rows)))
     if args.csv:
-        sweep_csv(points, args.csv)
+        _wrote(lambda path: sweep_csv(points, path), args.csv)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{**p.overrides, **json.loads(p.result.to_json())} for p in points], f,
-                      indent=2)
+        _wrote(lambda path: _write_json(points, path), args.json)
     if args.plot:
-        ax = plots.plot_sweep(points, x=list(vary)[0], y=args.metric)
-        ax.figure.savefig(args.plot)
+        _wrote(plots.plot_sweep(points, x=list(vary)[0], y=args.metric).figure.savefig,
+               args.plot)
     return 0
+
+
+def _write_json(points, path) -> None:
+    with open(path, "w") as f:
+        json.dump([{**p.overrides, **json.loads(p.result.to_json())} for p in points], f,
+                  indent=2)
 
 
 def _sweep_columns(rows: list[dict]) -> list[str]:
@@ -96,12 +104,6 @@ def _sweep_columns(rows: list[dict]) -> list[str]:
     if any(row["staleness.count"] for row in rows):
         columns.append("staleness.mean")
     return columns
-
-
-def _fmt(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
 
 
 def _calibrate(args) -> int:
@@ -138,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the summary as JSON")
     p.add_argument("--csv", help="write the summary as a one-row CSV")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON)")
-    p.add_argument("--plot", help="write a summary figure (PNG, SVG, PDF)")
+    p.add_argument("--plot", help="write a summary figure (PNG, SVG, PDF): progress, a "
+                                  "log-scaled step-time histogram, and staleness and ps "
+                                  "load where the scenario has them")
     p.set_defaults(func=_run)
 
     p = sub.add_parser("sweep", help="run a scenario for several values of some keys")
@@ -148,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="runs per point, seeds seed+i")
     p.add_argument("--csv", help="write one row per run")
     p.add_argument("--json", help="write one object per run")
-    p.add_argument("--plot", help="plot --metric against the first --vary key")
+    p.add_argument("--plot", help="plot --metric against the first --vary key (PNG, SVG, "
+                                  "PDF; a line per value of any other --vary key)")
     p.add_argument("--metric", default="steps_per_second",
                    help="metric to plot: a numeric key of the run's flat summary, e.g. "
                         "steps_per_second, goodput, applied_fraction, "

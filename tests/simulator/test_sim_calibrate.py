@@ -3,7 +3,7 @@
 import pytest
 
 import simulator
-from kerasps.trace import read_trace, write_trace
+from kerasps.policy.trace import read_trace, write_trace
 from simulator.calibrate import mva_throughput, predict_goodput, synthetic_trace
 from simulator.cli import main
 
@@ -107,7 +107,7 @@ def test_trace_without_train_steps_is_rejected(tmp_path):
 
 def _sync_trace(steps=40, gradient=0.010, step=0.015, workers=4):
     """A sync run's trace: every step, `workers` gradient functions, then an apply."""
-    from kerasps.trace import StepEvent
+    from kerasps.policy.trace import StepEvent
 
     events = []
     for v in range(steps):

@@ -4,6 +4,7 @@ import csv
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -61,7 +62,70 @@ def test_sweep_prints_a_row_per_value_and_writes_csv(small, tmp_path, capsys):
                  "--csv", str(path), "--plot", str(tmp_path / "s.png")]) == 0
     rows = list(csv.DictReader(path.open()))
     assert [r["training.backup_workers"] for r in rows] == ["0", "1", "2"]
-    assert len(capsys.readouterr().out.strip().splitlines()) == 4
+    lines = capsys.readouterr().out.strip().splitlines()
+    table = [line for line in lines if not line.startswith("wrote ")]
+    assert len(table) == 2 + 3  # keys, units, a row per value
+
+
+def _wrote(out: str) -> list[str]:
+    return [line.removeprefix("wrote ") for line in out.splitlines()
+            if line.startswith("wrote ")]
+
+
+def test_run_prints_the_path_of_each_file_it_writes(small, tmp_path, capsys):
+    paths = [tmp_path / "runs" / name for name in ("step_times.png", "r.json", "r.csv",
+                                                   "t.json")]
+    paths[0].parent.mkdir()
+    assert main(["run", str(small), "--plot", str(paths[0]), "--json", str(paths[1]),
+                 "--csv", str(paths[2]), "--trace", str(paths[3])]) == 0
+    wrote = _wrote(capsys.readouterr().out)
+    assert sorted(wrote) == sorted(str(p) for p in paths)  # one line per file
+    assert all(pathlib.Path(p).stat().st_size > 0 for p in wrote)
+
+
+def test_sweep_prints_the_path_of_each_file_it_writes(small, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["sweep", str(small), "--vary", "training.backup_workers=0,1",
+                 "--plot", "sweep.svg", "--csv", "sweep.csv", "--json", "sweep.json"]) == 0
+    wrote = _wrote(capsys.readouterr().out)
+    assert sorted(wrote) == ["sweep.csv", "sweep.json", "sweep.svg"]  # as given
+    assert all((tmp_path / p).stat().st_size > 0 for p in wrote)
+    assert "<svg" in (tmp_path / "sweep.svg").read_text()
+
+
+def _table(text: str) -> dict:
+    """The sweep table's columns, read by position (right-aligned under their keys):
+    key -> (unit, cells)."""
+    lines = [line for line in text.splitlines() if line and not line.startswith("wrote ")]
+    spans = [m.span() for m in re.finditer(r"\S+", lines[0])]
+    columns = {}
+    for i, (_, end) in enumerate(spans):
+        start = spans[i - 1][1] if i else 0
+        field = [line[start:end].strip() for line in lines]
+        columns[field[0]] = (field[1], field[2:])
+    return columns
+
+
+def test_sweep_table_has_units_and_one_number_of_decimals_per_column(small, capsys):
+    # Sync, 4 workers: applied fraction 1, 0.75, 0.5 (shown as 1.000, 0.750, 0.500).
+    assert main(["sweep", str(small), "--vary", "training.backup_workers=0,1,2"]) == 0
+    table = _table(capsys.readouterr().out)
+    units = {key: unit for key, (unit, _) in table.items()}
+    assert units == {"training.backup_workers": "(workers)", "steps_per_second": "(steps/s)",
+                     "examples_per_second": "(examples/s)", "goodput": "(fraction)",
+                     "applied_fraction": "(fraction)", "global_step_interval.p50": "(s)",
+                     "global_step_interval.p99": "(s)"}
+    assert table["applied_fraction"][1] == ["1.000", "0.750", "0.500"]
+    assert table["training.backup_workers"][1] == ["0", "1", "2"]
+    for key, (_, cells) in table.items():
+        decimals = {len(cell.partition(".")[2]) for cell in cells}
+        assert len(decimals) == 1, (key, cells)
+
+
+def test_sweep_table_shows_a_swept_float_with_the_decimals_its_values_need(small, capsys):
+    assert main(["sweep", str(small), "--vary", "network.latency=0.01,0.0025,0.1"]) == 0
+    unit, cells = _table(capsys.readouterr().out)["network.latency"]
+    assert unit == "(s)" and cells == ["0.0100", "0.0025", "0.1000"]
 
 
 def test_bad_scenario_exits_2_naming_key_and_value(tmp_path, capsys):
@@ -92,7 +156,7 @@ def test_python_m_simulator_runs_a_shipped_scenario_without_tensorflow(tmp_path)
         "except SystemExit as e:\n"
         "    assert e.code == 0, e.code\n"
         "import simulator.calibrate, simulator.plots, kerasps.placement, kerasps.trace\n"
-        "import kerasps.restarts\n"
+        "import kerasps.policy.restarts\n"
         "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n"
         "assert 'keras' not in sys.modules, 'keras was imported'\n"
         "print('NO_TF_OK')\n"

@@ -11,8 +11,9 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 import simulator  # noqa: E402
+# The module simulator/ps.py plans with: its `plan` is patched below.
 from kerasps import placement as kerasps_placement  # noqa: E402
-from kerasps.partitioners import MinSizePartitioner  # noqa: E402
+from kerasps.policy.partitioners import MinSizePartitioner  # noqa: E402
 from simulator import plots  # noqa: E402
 from simulator.perfetto import trace_events  # noqa: E402
 

@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 import simulator  # noqa: E402
-from kerasps.trace import write_trace  # noqa: E402
+from kerasps.policy.trace import write_trace  # noqa: E402
 from simulator import plots  # noqa: E402
 from simulator.calibrate import synthetic_trace  # noqa: E402
 from simulator.cli import main  # noqa: E402

@@ -6,7 +6,7 @@ import json
 import pytest
 
 import simulator
-from kerasps.restarts import Action, Decision, RestartPolicy
+from kerasps.policy.restarts import Action, Decision, RestartPolicy
 from simulator.perfetto import trace_events
 
 from .builders import make

@@ -128,7 +128,7 @@ def test_overrides_are_validated_like_files():
 
 
 def test_empirical_step_times_from_a_kerasps_trace(tmp_path):
-    from kerasps.trace import StepEvent, write_trace
+    from kerasps.policy.trace import StepEvent, write_trace
 
     write_trace(tmp_path / "t.csv", [StepEvent(0, 0, 0.0, 0.5), StepEvent(1, 1, 0.0, 1.5)])
     path = write(tmp_path, "[workers]\ncount = 2\n"

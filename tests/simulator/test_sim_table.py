@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import simulator
-from kerasps import tables
+from kerasps.policy import tables
 from simulator.idstream import ZipfStream
 from simulator.table import TableModel, predict_load
 
