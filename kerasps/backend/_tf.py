@@ -4,6 +4,7 @@ A TensorFlow upgrade that moves these touches only this file.
 """
 
 import contextlib
+import gc
 import logging
 import socket
 import threading
@@ -656,13 +657,32 @@ _AT_EXIT_LOCK = threading.Lock()
 
 
 def release_at_exit(tf_coordinator):
-    """Lets the process exit while `tf_coordinator` waits for an absent worker.
+    """Lets the process exit promptly once its program has ended.
 
-    TensorFlow's failure handler holds its cluster lock while it reconnects to
-    a failed worker, which blocks until that worker answers; the coordinator's
-    `__del__` at interpreter exit then waits for the lock forever (a worker that
-    left an elastic pool never answers). At exit, the handler is told to stop
-    without taking the lock.
+    * TensorFlow's failure handler holds its cluster lock while it reconnects to
+      a failed worker, which blocks until that worker answers; the coordinator's
+      `__del__` at interpreter exit then waits for the lock forever (a worker that
+      left an elastic pool never answers). At exit, the handler is told to stop
+      without taking the lock.
+    * The interpreter's finalization (after the `atexit` handlers) runs the
+      cyclic garbage collector over every object the process holds, three
+      times (`Py_FinalizeEx`, `finalize_modules` and `finalize_interp_clear` in
+      CPython 3.11's `Python/pylifecycle.c`): some 350,000 in a chief after
+      `fit` (TensorFlow's and Keras' modules, traced functions and their
+      graphs), and the deleters of those in reference cycles (a traced
+      function's sends a `RemoveFunction` RPC to every task:
+      `AtomicFunction.__del__` in TensorFlow's
+      `python/eager/polymorphic_function/atomic_function.py`). That took 0.9-1.5
+      s of CPU in every chief, whatever its job, and 2-6 s of wall time on two
+      cores shared with the job's other processes and other runs (the 10-16 s
+      of 3 chaos-soak jobs were most likely the same under more load), between
+      the program's last line and its exit. At exit, the objects alive
+      are moved out of the collector's reach (`gc.freeze()`): those in
+      reference cycles are left to the operating system with the process
+      (Python does not promise to finalize objects alive at exit; `atexit`
+      handlers and `weakref.finalize` run as before, and objects no cycle holds
+      are still freed as their modules are cleared). The exit takes 0.03-0.1 s
+      of CPU.
     """
     import atexit
 
@@ -673,6 +693,7 @@ def release_at_exit(tf_coordinator):
 
 
 def _release_all():
+    gc.freeze()
     for tf_coordinator in list(_AT_EXIT):
         handler = tf_coordinator._cluster.failure_handler
         handler._should_preemption_thread_run = False
