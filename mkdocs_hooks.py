@@ -6,7 +6,7 @@
   which the nav lists and `docs/tutorials.md` links to (the build checks those links).
 * Every backticked API name in a page (`kerasps.cluster.from_tf_config`,
   `simulator.calibrate.predict_goodput`) must name something in the code, and every
-  backticked repository path (`kerasps/sparse.py`, `tutorials/03_....ipynb`) must exist:
+  backticked repository path (`kerasps/params/sparse.py`, `tutorials/03_....ipynb`) must exist:
   a stale name is a warning, which `--strict` turns into a failed build. Names are
   looked up statically (griffe), without importing TensorFlow.
 """
@@ -26,7 +26,7 @@ PACKAGES = ("kerasps", "simulator")
 log = logging.getLogger("mkdocs.hooks.kerasps")
 
 API_NAME = re.compile(r"`((?:kerasps|simulator)(?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
-REPO_PATH = re.compile(r"`((?:kerasps|simulator|benchmarks|tutorials|tests)/[A-Za-z0-9_./-]*)")
+REPO_PATH = re.compile(r"`((?:kerasps|simulator|benchmarks|tutorials|tests)/[A-Za-z0-9_.*/-]*)")
 
 
 @event_priority(100)  # before mkdocs-jupyter's `on_files` (default priority 0)
@@ -50,7 +50,7 @@ def on_page_markdown(markdown, page, config, files):
             log.warning("Doc file '%s' names `%s`, which is not in the code",
                         page.file.src_uri, name)
     for path in sorted(set(REPO_PATH.findall(markdown))):
-        if not (ROOT / path.rstrip("/")).exists():
+        if not any(ROOT.glob(path.rstrip("/"))):  # a path, or a pattern (`records/x_*.json`)
             log.warning("Doc file '%s' names `%s`, which is not in the repository",
                         page.file.src_uri, path)
     return markdown
@@ -79,11 +79,6 @@ def _lazy(package):
 
 
 def _resolves(name):
-    import kerasps  # its __init__ imports no TensorFlow
-
-    # `kerasps.cluster` and the other flat module names are aliases of the modules in
-    # the layer folders (`kerasps.runtime.cluster`): look up the module itself.
-    name = kerasps._moved_to(name) or name
     parts = name.split(".")
     # The longest prefix that is a module; the rest are members of it.
     for cut in range(len(parts), 0, -1):

@@ -32,7 +32,7 @@ def one_run(workers: int, steps: int, trace_path: str) -> dict:
     import keras
 
     import kerasps
-    from kerasps import demo
+    from kerasps.ops import demo
 
     strategy = kerasps.ParameterServerStrategy(
         kerasps.cluster.in_process(num_workers=workers, num_ps=2),

@@ -56,7 +56,7 @@ MAX_RESTARTS = 10  # per task, for the whole run
 KINDS = ("worker", "ps", "chief")
 # Steps a kill can make count twice: those the ps had applied and the chief not yet
 # delivered when the backup it goes back to was written (a ps or chief kill), or those in
-# flight on a killed worker. kerasps' dispatch window (`kerasps.trainer.dispatch.Window`)
+# flight on a killed worker. kerasps' dispatch window (`kerasps.keras.trainer.dispatch.Window`)
 # bounds both: (BACKLOG_PER_SLOT + 1) x STEPS_IN_FLIGHT_PER_WORKER x WORKERS functions
 # of one step.
 EXTRA_PER_KILL = (64 + 1) * 2 * WORKERS

@@ -270,7 +270,7 @@ def run_memory(rows, args):
 FAULT_CHIEF = """
 import itertools, sys, time
 import keras, numpy as np, tensorflow as tf, kerasps
-from kerasps import tables
+from kerasps.policy import tables
 
 def say(*words):
     print(*words, flush=True)

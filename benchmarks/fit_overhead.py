@@ -146,7 +146,7 @@ def run_variant(variant, spe, steps, fits):
     import tensorflow as tf
 
     import kerasps
-    from kerasps.trainer import steps as steps_lib
+    from kerasps.keras.trainer import steps as steps_lib
 
     strategy, model = _sharded_model(spe, measure_staleness=variant != "no_staleness")
     if variant == "unrolled":
@@ -186,8 +186,8 @@ def paired(spe, steps, fits, variants):
 
     import kerasps
     from kerasps.backend import _keras
-    from kerasps.trainer import staleness
-    from kerasps.trainer import steps as steps_lib
+    from kerasps.keras.trainer import staleness
+    from kerasps.keras.trainer import steps as steps_lib
 
     strategy, model = _sharded_model(spe)
     data = kerasps.DatasetCreator(ft._dataset_fn)  # kept: the coordinator caches by it, weakly

@@ -11,7 +11,7 @@ when they have them) with three additions:
   `kerasps.ShardedVariable`s whose shards are real variables, so gradients,
   optimizers and checkpoints work;
 * Keras integration: models built under `scope()` train with `model.fit`,
-  `evaluate` and `predict` (see `kerasps.trainer`).
+  `evaluate` and `predict` (see `kerasps.keras.trainer`).
 """
 
 from __future__ import annotations
@@ -184,8 +184,12 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
 
     Args:
         cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
-            with `worker` and `ps` jobs (`kerasps.cluster.in_process` or
-            `kerasps.cluster.from_tf_config`).
+            with `worker` and `ps` jobs: `kerasps.cluster.in_process` (a cluster
+            in this process), `kerasps.cluster.from_tf_config` (the cluster
+            `TF_CONFIG` names: `kerasps launch`, Kubernetes), or
+            `kerasps.cluster.resolve` (the cluster `TF_CONFIG` names where it
+            is set, an in-process one elsewhere: one script runs both ways).
+            `in_process` warns where `TF_CONFIG` is set.
         variable_partitioner: a `kerasps.partitioners.Partitioner` (or any
             callable `(shape, dtype) -> partitions` in TensorFlow's format);
             `None` keeps every variable whole.
@@ -274,7 +278,7 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         """TensorFlow's distributed dataset, which kerasps's `fit`, `evaluate`,
         `predict` and `ClusterCoordinator.create_per_worker_dataset` also accept.
 
-        They read it as they read `dataset` itself (see `kerasps.trainer` and
+        They read it as they read `dataset` itself (see `kerasps.keras.trainer` and
         `kerasps.ClusterCoordinator.create_per_worker_dataset`), with `options`
         a `kerasps.InputOptions` (`exactly_once`, `shard_policy`) or TensorFlow's.
         """

@@ -181,7 +181,7 @@ class CalibratedModel:
 
 
 def _as_traces(trace) -> list[list]:
-    from kerasps.trace import StepEvent, read_trace
+    from kerasps.policy.trace import StepEvent, read_trace
 
     if isinstance(trace, (str, os.PathLike)):
         return [read_trace(trace)]
@@ -496,7 +496,7 @@ def predict_goodput(recovery_times: dict, kill_schedule, fault_free_wall: float,
 def synthetic_trace(num_workers: int, steps_per_worker: int, shift: float, rate: float,
                     seed: int = 0) -> list:
     """A trace of dedicated workers with shifted-exponential step times (for tests and demos)."""
-    from kerasps.trace import StepEvent
+    from kerasps.policy.trace import StepEvent
 
     rng = np.random.default_rng(seed)
     events = []

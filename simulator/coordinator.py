@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import simpy
 
-from kerasps.restarts import Action
+from kerasps.policy.restarts import Action
 from simulator.failures import Abort, Cancel, Restarts
 from simulator.metrics import Metrics
 from simulator.scenario import CheckpointSpec, Mode, TrainingSpec

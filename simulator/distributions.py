@@ -142,7 +142,7 @@ class Empirical(Distribution):
 
 
 def _empirical_from_trace(t: Table, base_dir: str | None) -> Empirical:
-    from kerasps import trace as trace_lib  # pure Python, no TensorFlow
+    from kerasps.policy import trace as trace_lib  # pure Python, no TensorFlow
 
     path = t.string("trace")
     worker = t.integer("worker", None, minimum=0)

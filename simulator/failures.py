@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import simpy
 
-from kerasps.restarts import Action, Decision, RestartPolicy  # pure Python, no TensorFlow
+from kerasps.policy.restarts import Action, Decision, RestartPolicy  # pure Python, no TensorFlow
 from simulator.scenario import FailureKind, FailuresSpec, Target
 
 __all__ = ["Crash", "Abort", "Cancel", "Leave", "Restarts", "random_failures",
@@ -53,9 +53,9 @@ class Leave:
 
 class Restarts:
     """The restarts of every simulated task (worker, ps, chief), decided by
-    `kerasps.restarts`.
+    `kerasps.policy.restarts`.
 
-    Each crash asks `kerasps.restarts.RestartPolicy.decide`, as the restart
+    Each crash asks `kerasps.policy.restarts.RestartPolicy.decide`, as the restart
     agent of `kerasps launch` does when a process exits: the task restarts
     on its budget, or the job ends.
 

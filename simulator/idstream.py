@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kerasps import tables
+from kerasps.policy import tables
 
 __all__ = ["ZipfStream"]
 

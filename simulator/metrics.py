@@ -246,7 +246,7 @@ class Result:
 
     def step_events(self):
         """Completed worker steps as `kerasps.trace.StepEvent`s (needs recorded events)."""
-        from kerasps.trace import StepEvent
+        from kerasps.policy.trace import StepEvent
 
         if self.events is None:
             raise ValueError("Events were not recorded: pass `record_events=True` to `run`.")

@@ -6,8 +6,8 @@ import math
 
 import simpy
 
-from kerasps import partitioners as partitioners_lib
-from kerasps import placement as placement_lib
+from kerasps.policy import partitioners as partitioners_lib
+from kerasps.policy import placement as placement_lib
 from simulator.scenario import ModelSpec, PsSpec
 
 __all__ = ["ParameterServer", "place_variables", "ps"]

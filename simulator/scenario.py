@@ -34,7 +34,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 
-from kerasps.consistency import Mode  # pure Python, shared with kerasps
+from kerasps.policy.consistency import Mode  # pure Python, shared with kerasps
 from simulator import distributions
 from simulator.distributions import Distribution
 from simulator.errors import ScenarioError, invalid_value
@@ -255,7 +255,7 @@ class FailuresSpec:
         coordinator_mtbf: mean seconds between coordinator failures.
         coordinator_restart_time: seconds the coordinator is down.
         max_restarts: restarts allowed per worker, ps or coordinator (chief) task,
-            as `kerasps launch --max-restarts`: `kerasps.restarts.RestartPolicy`
+            as `kerasps launch --max-restarts`: `kerasps.policy.restarts.RestartPolicy`
             decides, and the crash after the last one ends the job
             (`Result.ended_by`). `None`: unlimited. Permanent losses do not count.
         events: scripted failures.
@@ -531,7 +531,7 @@ def _parse(data: dict, source: str | None, base_dir: str | None) -> Scenario:
 
 
 def _parse_table(t: Table) -> DynamicTableSpec:
-    from kerasps import tables  # pure Python, no TensorFlow
+    from kerasps.policy import tables  # pure Python, no TensorFlow
     from simulator.idstream import ZipfStream
 
     def checked(make, table, names):
@@ -574,7 +574,7 @@ def _parse_model(t: Table, num_ps: int) -> ModelSpec:
                 isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
             raise v.error("shape", shape, "it must be a list of non-negative integers")
         dtype = v.string("dtype", "float32")
-        from kerasps import partitioners  # pure Python, no TensorFlow
+        from kerasps.policy import partitioners  # pure Python, no TensorFlow
 
         try:
             partitioners.element_bytes(dtype)

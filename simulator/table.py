@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from kerasps import tables
+from kerasps.policy import tables
 
 __all__ = ["TableModel", "TableLoad", "predict_load"]
 

@@ -41,7 +41,7 @@ def run_notebook(name: str, timeout: int = 600, plots: bool = False) -> nbformat
 def store_executed(names=None, timeout: int = 900):
     """Executes `tutorials/<name>` for each name (every tutorial by default) and writes
     it back with its outputs."""
-    from kerasps.console import is_start_up_noise
+    from kerasps.ops.console import is_start_up_noise
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ logs, as in tests
     for name in names or sorted(p.name for p in TUTORIALS.glob("*.ipynb")):

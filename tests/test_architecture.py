@@ -8,7 +8,12 @@ at the top of a module. `from kerasps.x import y` is an import of the module
 
 import ast
 import collections
+import importlib
+import importlib.util
+import json
+import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -26,8 +31,40 @@ LAYERS = (
     ("kerasps.keras", "Keras integration: installer, trainer, callbacks, layers"),
     ("kerasps.api", "the public API: kerasps/__init__.py and kerasps/strategy.py"),
     ("kerasps.ops", "operating a cluster: CLI, launcher, manifests, demo"),
+    ("kerasps.short", "the public modules' short names (kerasps/cluster.py ...): re-exports"),
 )
 _API = {"kerasps", "kerasps.strategy"}
+
+# The public modules' short names, each a file of kerasps/ that re-exports the public
+# names (`__all__`) of the module where they live. Programs and the docs use them; the
+# package imports the real paths.
+SHORT_NAMES = {
+    "kerasps.callbacks": "kerasps.keras.callbacks",
+    "kerasps.cli": "kerasps.ops.cli",
+    "kerasps.cluster": "kerasps.runtime.cluster",
+    "kerasps.consistency": "kerasps.policy.consistency",
+    "kerasps.data_service": "kerasps.runtime.data_service",
+    "kerasps.evaluator": "kerasps.keras.evaluator",
+    "kerasps.input": "kerasps.runtime.input",
+    "kerasps.launch": "kerasps.ops.launch",
+    "kerasps.layers": "kerasps.keras.layers",
+    "kerasps.membership": "kerasps.policy.membership",
+    "kerasps.partitioners": "kerasps.policy.partitioners",
+    "kerasps.placement": "kerasps.policy.placement",
+    "kerasps.sparse": "kerasps.params.sparse",
+    "kerasps.tables": "kerasps.policy.tables",
+    "kerasps.trace": "kerasps.policy.trace",
+}
+# Those that are pure Python: importing them imports neither TensorFlow nor Keras.
+PURE_SHORT_NAMES = ("kerasps.consistency", "kerasps.membership", "kerasps.partitioners",
+                    "kerasps.placement", "kerasps.tables", "kerasps.trace")
+# Flat names that were aliases of modules in the layer folders (an import hook of
+# kerasps/__init__.py gave them until 2026-11-27): no module answers to them now.
+OLD_ALIASES = ("kerasps._validation", "kerasps.failures", "kerasps.restarts", "kerasps._keras",
+               "kerasps._tf", "kerasps.coordinator", "kerasps.variables", "kerasps.trainer",
+               "kerasps.trainer.dispatch", "kerasps.console", "kerasps.demo",
+               "kerasps.standby", "kerasps.manifests", "kerasps.layers.table",
+               "kerasps.layers.dynamic_embedding", "kerasps.input.options")
 
 
 def modules(root: pathlib.Path, package: str) -> dict:
@@ -108,6 +145,8 @@ def circles(graph: dict) -> list:
 def layer_of(name: str) -> int | None:
     if name in _API:
         return [layer for layer, _ in LAYERS].index("kerasps.api")
+    if name in SHORT_NAMES:
+        return [layer for layer, _ in LAYERS].index("kerasps.short")
     for rank, (layer, _) in enumerate(LAYERS):
         if name == layer or name.startswith(layer + "."):
             return rank
@@ -137,13 +176,13 @@ def test_imports_go_down_the_layers(graph):
     assert upward_imports(graph) == []
 
 
-def test_modules_import_where_modules_live_not_their_aliases(graph):
-    # `kerasps.cluster` is an alias for programs (kerasps/__init__.py); inside the
+def test_modules_import_where_modules_live_not_their_short_names(graph):
+    # `kerasps.cluster` is a short name for programs (kerasps/cluster.py); inside the
     # package an import names the module's folder, so that the graph shows the layers.
-    aliased = [f"{name} imports {written} (line {line})"
-               for name, targets in sorted(graph.items()) for _, written, line in sorted(targets)
-               if kerasps._moved_to(written)]
-    assert aliased == []
+    short = [f"{name} imports {written} (line {line})"
+             for name, targets in sorted(graph.items()) for target, written, line in sorted(targets)
+             if target in SHORT_NAMES]
+    assert short == []
 
 
 def _imported(path: pathlib.Path) -> list:
@@ -190,10 +229,91 @@ def test_the_checks_catch_a_hidden_circle_and_an_upward_import(tmp_path):
         "kerasps.backend._keras imports kerasps.keras.trainer (line 2)"]
 
 
-def test_the_flat_names_are_the_modules_themselves():
-    import kerasps.cluster
-    import kerasps.trainer.dispatch
+# -- one name per module -------------------------------------------------------------------
+def _spec(name):
+    """`importlib.util.find_spec(name)`, or None where a parent of `name` is no package."""
+    try:
+        return importlib.util.find_spec(name)
+    except ModuleNotFoundError:
+        return None
 
-    assert kerasps.cluster is sys.modules["kerasps.runtime.cluster"]
-    assert kerasps.trainer.dispatch is sys.modules["kerasps.keras.trainer.dispatch"]
-    assert kerasps.cluster.__spec__.name == "kerasps.runtime.cluster"
+
+def test_the_files_at_the_top_are_the_api_and_the_short_names():
+    top = {name for name, path in modules(ROOT, "kerasps").items() if path.parent == ROOT}
+    assert top == _API | set(SHORT_NAMES)
+
+
+def test_every_module_is_found_at_its_file_under_its_one_name():
+    for name, path in modules(ROOT, "kerasps").items():
+        spec = _spec(name)
+        assert spec is not None and spec.name == name, name
+        assert pathlib.Path(spec.origin).resolve() == path.resolve(), name
+    assert [name for name in OLD_ALIASES if _spec(name) is not None] == []
+    assert importlib.util.find_spec("kerasps.trainer") is None
+
+
+def test_importing_kerasps_installs_no_finder_of_its_modules():
+    """No import hook gives a module a second name. With `KERASPS_TF_LOGS=1`, `import
+    kerasps` leaves `sys.meta_path` as it was; by default it may add a finder of
+    `tensorflow` (`kerasps.backend.tf_logs`, which drops TensorFlow's start-up lines), and
+    no finder it adds answers for a kerasps module or an old flat name."""
+    names = sorted(modules(ROOT, "kerasps")) + list(OLD_ALIASES)
+    code = f"""if True:
+        import json, sys
+        before = list(sys.meta_path)
+        import kerasps
+        added = [finder for finder in sys.meta_path if not any(finder is b for b in before)]
+        answers = [(repr(finder), name) for finder in added for name in {names!r}
+                   if finder.find_spec(name, None) is not None]
+        print(json.dumps({{"added": [repr(finder) for finder in added], "answers": answers}}))
+    """
+    found = {}
+    for tf_logs in ("1", "0"):
+        env = {key: value for key, value in os.environ.items() if key != "KERASPS_TF_LOGS"}
+        env.update(KERASPS_TF_LOGS=tf_logs, PYTHONPATH=str(ROOT.parent))
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                env=env, timeout=120)
+        assert result.returncode == 0, result.stderr
+        found[tf_logs] = json.loads(result.stdout.splitlines()[-1])
+    assert found["1"] == {"added": [], "answers": []}
+    assert found["0"]["answers"] == [], found["0"]
+
+
+def test_the_short_names_re_export_the_public_names_of_their_modules():
+    for short, home in SHORT_NAMES.items():
+        module, real = importlib.import_module(short), importlib.import_module(home)
+        assert module is not real and module.__spec__.name == short
+        assert pathlib.Path(module.__file__) == ROOT / f"{short.split('.')[1]}.py"
+        assert f"`{home}`" in module.__doc__.splitlines()[0], short
+        wanted = ["main"] if short == "kerasps.cli" else list(real.__all__)
+        assert list(module.__all__) == wanted, (
+            f"kerasps/{short.split('.')[1]}.py re-exports {home}'s `__all__`: {wanted}")
+        for name in module.__all__:
+            assert getattr(module, name) is getattr(real, name), f"{short}.{name}"
+        attribute = short.split(".")[1]
+        if attribute in kerasps.__all__:
+            assert getattr(kerasps, attribute) is module
+
+
+def test_the_short_names_import_as_programs_write_them():
+    import kerasps.cluster
+    import kerasps.layers
+    from kerasps.cluster import in_process
+    from kerasps.launch import request_workers
+    from kerasps.layers import DynamicEmbedding
+
+    assert kerasps.cluster.in_process is in_process
+    assert kerasps.launch.request_workers is request_workers
+    assert kerasps.layers.DynamicEmbedding is DynamicEmbedding
+    assert kerasps.input.slowed is sys.modules["kerasps.runtime.input.options"].slowed
+    for name in kerasps.__all__:
+        assert getattr(kerasps, name) is not None, name
+
+
+def test_the_pure_short_names_import_no_tensorflow():
+    code = (f"import sys\nimport {', '.join(PURE_SHORT_NAMES)}\n"
+            "heavy = sorted(m for m in ('tensorflow', 'keras') if m in sys.modules)\n"
+            "assert not heavy, heavy\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT.parent)}, timeout=120)
+    assert result.returncode == 0, result.stderr

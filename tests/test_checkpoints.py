@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import kerasps
-from kerasps.variables import logical_variables
+from kerasps.params.variables import logical_variables
 
 BATCHES = [
     (np.array([[0, 8], [4, 5], [3, 3], [7, 1]], dtype="int32"),

@@ -25,6 +25,21 @@ def test_demo_trains_and_prints_placement_progress_and_metrics():
     assert "auc=" in out
 
 
+def test_demo_prints_none_of_tensorflows_lines():
+    """The main job printed TensorFlow's start-up lines twice (absl's "All log messages
+    before absl::InitializeLog()", oneDNN, "Could not find cuda drivers") and then
+    `E0000 ... failed call to cuInit: ... UNKNOWN ERROR (303)`: none by default, every one
+    with `KERASPS_TF_LOGS=1`. Run in a user's environment: no TF_CPP_MIN_LOG_LEVEL."""
+    environ = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    result = subprocess.run([sys.executable, "-m", "kerasps.cli", "demo", "--epochs", "1",
+                             "--steps-per-epoch", "2", "--workers", "1", "--ps", "1",
+                             "--verbose", "0"],
+                            capture_output=True, text=True, timeout=300, env=environ)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Final metrics" in result.stdout
+    assert result.stderr == ""
+
+
 def test_demo_with_greedy_placement_and_three_workers():
     result = kerasps_cli("demo", "--epochs", "1", "--steps-per-epoch", "3", "--workers", "3",
                          "--ps", "1", "--placement", "greedy", "--verbose", "0")

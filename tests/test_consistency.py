@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kerasps.consistency import Consistency, Mode, StalenessBound, SyncStep
+from kerasps.policy.consistency import Consistency, Mode, StalenessBound, SyncStep
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -13,9 +13,10 @@ import pytest
 import tensorflow as tf
 
 import kerasps
-from kerasps import tables
-from kerasps.layers import DynamicEmbedding
-from kerasps.layers import table as table_lib
+from kerasps.keras.layers import table as table_lib
+from kerasps.keras.layers.dynamic_embedding import DynamicEmbedding
+from kerasps.params.variables import logical_variables
+from kerasps.policy import tables
 
 
 def rows_of(layer):
@@ -540,7 +541,7 @@ def test_a_checkpoint_restores_exactly_into_another_number_of_ps_tasks(tmp_path,
     for key in range(30):
         np.testing.assert_array_equal(vector(target, key), vector(layer, key))
     np.testing.assert_array_equal(target.sketch.numpy(), layer.sketch.numpy())
-    whole_slots = [v for v in kerasps.variables.logical_variables(slot_before)]
+    whole_slots = [v for v in logical_variables(slot_before)]
     accumulator = [v for v in whole_slots if "rows" in v.path][0]
     single_accumulator = [v for v in single.optimizer.variables if "rows" in v.path][0]
     np.testing.assert_array_equal(single_accumulator.numpy(), accumulator.numpy())
@@ -613,7 +614,7 @@ def table_state(model):
     layer = model.layers[1]
     state, rows = layer.state.numpy(), layer.rows.numpy()
     slots = sorted((v.path.split("/", 1)[1], v.numpy()) for v in
-                   kerasps.variables.logical_variables(model.optimizer.variables)
+                   logical_variables(model.optimizer.variables)
                    if "rows" in v.path)
     used = np.flatnonzero(state[:, tables.LAST_SEEN] >= 0)
     keys = {int(state[r, tables.KEY]): (int(r), state[r].tolist(), rows[r].tolist(),
@@ -812,7 +813,7 @@ def test_layer_weights_round_trip_between_2_and_3_ps_and_one_process(on_two_ps, 
 TABLE_RECOVERY_CHIEF = """
     import itertools, sys
     import keras, numpy as np, tensorflow as tf, kerasps
-    from kerasps import tables
+    from kerasps.policy import tables
 
     def say(*words):
         print(*words, flush=True)

@@ -11,8 +11,8 @@ import pytest
 import tensorflow as tf
 
 import kerasps
-from kerasps import evaluator as evaluator_lib
-from kerasps.launch import TRAINING_FINISHED_ENV
+from kerasps.keras import evaluator as evaluator_lib
+from kerasps.runtime.launch_env import TRAINING_FINISHED_ENV
 from tests.launched import launch, process_gone, wait_until
 
 X = np.linspace(0.0, 1.0, 128, dtype="float32").reshape(32, 4)

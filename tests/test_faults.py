@@ -295,7 +295,7 @@ def test_launch_gives_each_task_its_tf_config_and_ends_every_process_with_the_ch
 
 
 def test_gpus_are_split_between_workers():
-    from kerasps import launch as launch_lib
+    from kerasps.ops import launch as launch_lib
 
     spec = launch_lib.LaunchSpec(program=("train.py",), workers=2, ps=1, gpus_per_worker=2)
     cluster = launch_lib.make_cluster(spec, pick_port=iter(range(5000, 5100)).__next__)
@@ -541,7 +541,7 @@ def test_the_standby_runs_a_script_as_python_does_in_the_tasks_environment(tmp_p
     script.write_text(textwrap.dedent(STANDBY_SCRIPT))
     env = {**os.environ, "TF_CONFIG": '{"task": {"type": "chief"}}', "CUDA_VISIBLE_DEVICES": "3"}
     task = json.dumps({"argv": [str(script), "7"], "env": env})
-    result = subprocess.run([sys.executable, "-m", "kerasps.standby"], input=task + "\n",
+    result = subprocess.run([sys.executable, "-m", "kerasps.ops.standby"], input=task + "\n",
                             capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert result.returncode == 7, result.stderr[-3000:]
     assert json.loads(result.stdout.splitlines()[-1]) == {
@@ -556,7 +556,7 @@ def test_the_standby_runs_a_module_as_python_m_does(tmp_path):
     (package / "chief.py").write_text(textwrap.dedent(STANDBY_SCRIPT))
     env = {**os.environ, "TF_CONFIG": '{"task": {"type": "chief"}}'}
     task = json.dumps({"argv": ["-m", "kps_job.chief", "5"], "env": env})
-    result = subprocess.run([sys.executable, "-m", "kerasps.standby"], input=task + "\n",
+    result = subprocess.run([sys.executable, "-m", "kerasps.ops.standby"], input=task + "\n",
                             capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert result.returncode == 5, result.stderr[-3000:]
     here = os.path.realpath(tmp_path)
@@ -568,7 +568,7 @@ def test_the_standby_runs_a_module_as_python_m_does(tmp_path):
 
 ELASTIC_FAILING_CHIEF = """
     import os, time
-    from kerasps import launch
+    from kerasps.ops import launch
 
     restarted = os.path.exists("started")
     open("started", "w").close()

@@ -169,7 +169,7 @@ class VectorLogs(keras.Sequential):
 def test_logs_come_back_as_one_tensor_with_the_values_keras_logs_hold(strategy):
     # Each output of a scheduled function is a copy from the worker of its own.
     model = build(strategy, steps_per_execution=2)
-    from kerasps.trainer import steps
+    from kerasps.keras.trainer import steps
 
     callback = BatchLogs()
     model.fit(kerasps.DatasetCreator(regression_fn), epochs=1, steps_per_epoch=4, verbose=0,

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import kerasps
-from kerasps import _tf
+from kerasps.backend import _tf
 
 ROWS, BATCH = 250, 16  # 250 = 15 full batches and a partial one of 10
 
@@ -190,7 +190,7 @@ def test_the_end_of_the_data_does_not_cancel_a_step_that_has_read_its_batch(stra
 def test_exactly_once_through_a_service_of_two_data_workers(strategy):
     """A service kerasps did not start (size unknown): the dispatcher splits the data
     among its data workers dynamically; each id is still read once per epoch."""
-    from kerasps import data_service
+    from kerasps.runtime import data_service
 
     service = data_service.DataService(num_data_workers=2)
     model = visit_counter(strategy)
@@ -435,7 +435,7 @@ def test_input_options_of_another_type_are_refused(strategy):
 
 
 def test_the_data_service_runs_in_the_coordinator_process():
-    from kerasps import data_service
+    from kerasps.runtime import data_service
 
     service = data_service.DataService.in_process()
     assert service is data_service.DataService.in_process()

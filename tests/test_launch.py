@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from kerasps import cluster as cluster_lib
-from kerasps import console as console_lib
-from kerasps import launch
-from kerasps.restarts import Action, RestartPolicy, describe_exit
+from kerasps.ops import console as console_lib
+from kerasps.ops import launch
+from kerasps.policy.restarts import Action, RestartPolicy, describe_exit
+from kerasps.runtime import cluster as cluster_lib
 from tests.launched import DEADLINE, RunningJob, process_gone, wait_until
 from tests.launched import launch as launch_job
 
@@ -295,6 +295,35 @@ def test_a_redrawn_lines_erase_padding_is_not_part_of_it():
     assert stream.feed(b"  indented, not redrawn  \n") == ["  indented, not redrawn  "]
 
 
+# Keras' progress bar as it writes it, on a terminal or not: bold step count, green and grey
+# bar, bold time.
+COLOURED_BAR = (b"\r\x1b[1m3/3\x1b[0m \x1b[32m\xe2\x94\x81\xe2\x94\x81\x1b[0m \x1b[1m0s\x1b[0m "
+                b"12ms/step - loss: 0.3\n")
+
+
+def test_colours_reach_a_terminal_and_no_escape_sequence_reaches_a_file():
+    """Keras colours its bar whatever its output is (a launched chief writes to a pipe);
+    the console decides for the launcher's output: a file or a CI log gets plain text, a
+    terminal the colours, live or not."""
+    import pty
+
+    out = io.StringIO()  # a file, a pipe, a CI log
+    console_lib.Console(out).feed(console_lib.Stream(), "chief 0", COLOURED_BAR)
+    assert out.getvalue() == "[chief 0] 3/3 ━━ 0s 12ms/step - loss: 0.3\n"
+    controller, terminal = pty.openpty()
+    try:
+        with open(terminal, "w", closefd=True) as tty:
+            console_lib.Console(tty, live=False).feed(console_lib.Stream(), "chief 0",
+                                                      COLOURED_BAR)
+        shown = os.read(controller, 1 << 16).decode()
+    finally:
+        os.close(controller)
+    assert "[chief 0] \x1b[1m3/3\x1b[0m \x1b[32m━━\x1b[0m \x1b[1m0s\x1b[0m" in shown
+    out = io.StringIO()  # an explicit choice wins
+    console_lib.Console(out, colors=True).feed(console_lib.Stream(), "chief 0", COLOURED_BAR)
+    assert "\x1b[32m━━" in out.getvalue()
+
+
 @pytest.mark.parametrize("line", [
     "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
     "I0000 00:00:1795612757.656668   20893 port.cc:153] oneDNN custom operations are on.",
@@ -381,6 +410,11 @@ class PtyJob:
         with self._lock:
             return re.sub(r"\x1b\[[0-9;]*m", "", self._raw.decode(errors="replace"))
 
+    @property
+    def raw_with_colours(self) -> str:
+        with self._lock:
+            return self._raw.decode(errors="replace")
+
     def wait_for(self, pattern, timeout=60):
         assert wait_until(lambda: re.search(pattern, self.raw), timeout=timeout), (
             f"{pattern!r} never shown:\n" + "\n".join(screen(self.raw)))
@@ -411,6 +445,7 @@ def test_a_launched_jobs_console_on_a_terminal(tmp_path):
     finally:
         if job.process.poll() is None:
             job.process.kill()
+    assert "\x1b[1m3/3\x1b[0m" in job.raw_with_colours  # Keras' bold step count, kept
     lines = screen(job.raw)
     assert all(PREFIX.match(line) for line in lines), lines  # nothing glued, nothing unprefixed
     assert "[chief 0] a log line" in lines
@@ -429,10 +464,12 @@ def test_a_launched_jobs_output_in_a_file_has_complete_lines_only(tmp_path):
     finally:
         job.close()
     assert all(PREFIX.match(line) for line in job.lines), job.output()
-    plain = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in job.lines]  # Keras' bold
-    bars = [line for line in plain if "/3 " in line]
-    assert len(bars) == 1 and re.match(r"\[chief 0\] 3/3 \S+ .*loss: 0\.\d+$", bars[0]), plain
-    assert not [line for line in plain if NOISE.search(line) or "\r" in line], job.output()
+    # Plain text: Keras' colours and bold (`\x1b[1m3/3\x1b[0m \x1b[32m━━...`) are a terminal's.
+    assert not [line for line in job.lines if "\x1b" in line], job.output()
+    bars = [line for line in job.lines if "/3 " in line]
+    assert len(bars) == 1 and re.match(r"\[chief 0\] 3/3 \S+ .*loss: 0\.\d+$", bars[0]), (
+        job.output())
+    assert not [line for line in job.lines if NOISE.search(line) or "\r" in line], job.output()
 
 
 # A module chief that says how Python ran it, failing its first run: the restart runs it in
@@ -558,3 +595,39 @@ def test_a_live_line_is_cut_to_the_terminals_width_escape_sequences_taking_no_ro
             "[chief 0] \x1b[1m1/3\x1b[0m " + "━" * 15 + "\x1b[0m")
         assert console_lib.Console(out)._fit("short") == "short"
     os.close(controller)
+
+
+# A chief that keeps the README's in-process cluster, then asks for the cluster it runs in.
+IN_PROCESS_CHIEF = """
+    import json
+    import kerasps
+
+    kerasps.cluster.in_process(num_workers=1, num_ps=1)  # the README's line, as it is
+    resolver = kerasps.cluster.resolve(num_workers=1, num_ps=1)
+    print("resolved", json.dumps(resolver.cluster_spec().as_dict()), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_launched_chief_that_starts_an_in_process_cluster_is_told_and_resolve_finds_the_job(
+        tmp_path):
+    """`kerasps.cluster.in_process()` in a launched chief trained on a cluster of its own
+    while the launched servers sat idle, with no word: it warns, naming
+    `from_tf_config()` and `resolve()`; `resolve()` gives the launched cluster."""
+    job = launch_job(tmp_path, IN_PROCESS_CHIEF, "--workers", "1")
+    try:
+        assert job.finish() == 0, job.output()
+    finally:
+        job.close()
+    warning = [line for line in job.lines if "UserWarning" in line]
+    assert len(warning) == 1 and warning[0].startswith("[chief 0] "), job.output()
+    assert ("kerasps.cluster.in_process() was called in chief 0 of a `kerasps launch` job"
+            in warning[0]), warning
+    assert "kerasps.cluster.from_tf_config()" in warning[0], warning
+    assert "kerasps.cluster.resolve(" in warning[0], warning
+    launched = {task: address for task, address in
+                (re.search(r"started (\w+ \d) at (\S+) ", line).groups() for line in job.lines
+                 if re.search(r"^\[launcher\] started \w+ \d at ", line))}
+    resolved = json.loads(job.wait_for(r"^\[chief 0\] resolved (.*)$").group(1))
+    assert resolved == {"chief": [launched["chief 0"]], "worker": [launched["worker 0"]],
+                        "ps": [launched["ps 0"]]}, job.output()

@@ -20,8 +20,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kerasps import cluster as cluster_lib
-from kerasps import launch, manifests
+from kerasps.ops import launch, manifests
+from kerasps.runtime import cluster as cluster_lib
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 JOBSET_VERSIONS = ["v0.8.0", "v0.12.0"]

@@ -2,7 +2,13 @@
 
 import pytest
 
-from kerasps.membership import Membership, PoolSpec, TooFewWorkersError, WorkerState, parse_workers
+from kerasps.policy.membership import (
+    Membership,
+    PoolSpec,
+    TooFewWorkersError,
+    WorkerState,
+    parse_workers,
+)
 
 
 def test_observe_reports_who_joined_and_who_left():

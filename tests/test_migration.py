@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import kerasps
-from kerasps.variables import logical_variables
+from kerasps.params.variables import logical_variables
 
 X = np.linspace(-1.0, 1.0, 14, dtype="float32").reshape(7, 2)
 Y = (X[:, :1] > 0).astype("float32")

@@ -329,7 +329,7 @@ def test_worker_link_cut_mid_fit_does_not_hold_the_epoch(worker_cut_30s_mid_fit)
     back (30 s). Measured with the keepalive: 2.5, 4.5 and 4.9 s after 5 s cuts, 6.3 s
     after a 30 s one.
 
-    The chief's gRPC keepalive (`kerasps.cluster.CHIEF_GRPC_OPTIONS`: a ping a second, 2 s
+    The chief's gRPC keepalive (`kerasps.runtime.cluster.CHIEF_GRPC_OPTIONS`: a ping a second, 2 s
     to answer) fails the cut worker's in-flight step with `UnavailableError`, and
     TensorFlow's coordinator runs it again on worker 0, as after a kill. Without it a
     step in flight at the cut hung on the open TCP connection until the link was back,

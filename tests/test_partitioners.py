@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kerasps import partitioners
+from kerasps.policy import partitioners
 
 TF_PARTITIONERS = tf.distribute.experimental.partitioners
 

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from kerasps import partitioners, placement
+from kerasps.policy import partitioners, placement
 
 F32 = "float32"
 

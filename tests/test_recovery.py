@@ -2,7 +2,7 @@
 
 import pytest
 
-from kerasps.failures import Progress, PsTaskFailedError, Recovery, decide, steps_rolled_back
+from kerasps.policy.failures import Progress, PsTaskFailedError, Recovery, decide, steps_rolled_back
 
 
 def test_only_lost_ps_state_is_recovered_and_only_from_a_backup():
@@ -45,7 +45,7 @@ def test_an_unreachable_ps_that_kept_its_state_is_retried_not_restored():
 
 
 def test_unreachable_ps_retries_back_off_past_grpc_reconnects_then_give_up():
-    from kerasps.failures import UNREACHABLE_RETRIES, retry_delay
+    from kerasps.policy.failures import UNREACHABLE_RETRIES, retry_delay
 
     delays = [retry_delay(k) for k in range(UNREACHABLE_RETRIES)]
     assert delays == sorted(delays) and delays[0] == 0.5 and max(delays) <= 8.0

@@ -150,7 +150,7 @@ def test_progress_bar_shows_staleness_or_dropped_gradients_where_they_mean_somet
 
 
 def test_staleness_is_left_out_with_one_worker_dropped_gradients_in_async_mode():
-    from kerasps.trainer import staleness
+    from kerasps.keras.trainer import staleness
 
     assert staleness.meaningless(sync=False, num_workers=1) == {"staleness",
                                                                "dropped_gradients"}
@@ -229,7 +229,7 @@ def test_async_logs_report_staleness_and_max_staleness_bounds_it(make_strategy):
 
 
 def test_measure_staleness_false_drops_the_counter_and_its_log(make_strategy):
-    from kerasps.trainer.steps import step_functions
+    from kerasps.keras.trainer.steps import step_functions
 
     strategy = make_strategy(measure_staleness=False)
     assert not strategy.measure_staleness

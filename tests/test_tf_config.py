@@ -1,14 +1,16 @@
 """`kerasps.cluster.parse_tf_config` / `from_tf_config`: TF_CONFIG to a resolver, strictly.
 
-Nothing here starts a server: a resolver only describes the cluster.
+Nothing here starts a server: a resolver only describes the cluster (the tests of
+`in_process` and `resolve` get the test session's shared in-process cluster again).
 """
 
 import json
 import os
+import warnings
 
 import pytest
 
-from kerasps import cluster
+from kerasps.runtime import cluster
 
 CLUSTER = {
     "chief": ["chief0:2222"],
@@ -309,3 +311,59 @@ def test_a_bad_jobset_pod_environment_raises_naming_the_variable(env, change, fr
     assert message.startswith("Invalid value for `")
     for fragment in fragments:
         assert fragment in message
+
+
+# -- in_process() where TF_CONFIG names a cluster; resolve() -----------------------------------
+@pytest.fixture
+def shared_cluster(request):
+    """The test session's in-process cluster (2 workers, 2 ps): `in_process(2, 2)` returns
+    it again, starting no server."""
+    return request.getfixturevalue("cluster")
+
+
+def test_in_process_warns_in_the_chief_of_a_launched_job_naming_from_tf_config(env,
+                                                                              shared_cluster):
+    """A script that keeps the README's `in_process()` under `kerasps launch` trained on a
+    cluster of its own while the job's servers sat idle, with no word."""
+    env.setenv("TF_CONFIG", _tf_config())
+    env.setenv("KERASPS_TASK", "chief 0")
+    with pytest.warns(UserWarning) as caught:
+        resolver = cluster.in_process(num_workers=2, num_ps=2)
+    message = str(caught[0].message)
+    assert message.startswith(
+        "kerasps.cluster.in_process() was called in chief 0 of a `kerasps launch` job "
+        "(TF_CONFIG: 2 workers, 2 ps tasks)"), message
+    assert "kerasps.cluster.from_tf_config()" in message
+    assert "kerasps.cluster.resolve(num_workers=2, num_ps=2)" in message
+    assert caught[0].filename == __file__  # the user's line, not kerasps'
+    assert resolver.cluster_spec().as_dict() == shared_cluster.cluster_spec().as_dict()
+
+
+def test_in_process_warns_where_tf_config_names_a_cluster_outside_kerasps_launch(
+        env, shared_cluster):
+    env.setenv("TF_CONFIG", _tf_config())
+    env.delenv("KERASPS_TASK", raising=False)
+    with pytest.warns(UserWarning, match=r"in_process\(\) was called in a process whose "
+                                         r"TF_CONFIG names a cluster \(task chief 0; 2 workers, "
+                                         r"2 ps tasks\)"):
+        cluster.in_process(num_workers=2, num_ps=2)
+
+
+def test_resolve_reads_tf_config_when_it_is_set(env, no_new_servers):
+    env.setenv("TF_CONFIG", _tf_config())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolver = cluster.resolve(num_workers=1, num_ps=1)  # the job's counts decide
+    assert (resolver.task_type, resolver.task_id) == ("chief", 0)
+    assert resolver.cluster_spec().as_dict() == {k: v for k, v in CLUSTER.items()
+                                                 if k != "evaluator"}
+
+
+def test_resolve_starts_an_in_process_cluster_without_tf_config(env, shared_cluster):
+    env.delenv("KERASPS_TASK", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolver = cluster.resolve(num_workers=2, num_ps=2)
+    assert resolver.cluster_spec().as_dict() == shared_cluster.cluster_spec().as_dict()
+    with pytest.raises(ValueError, match=r"argument `num_ps`.*Received: num_ps=0"):
+        cluster.resolve(num_workers=2, num_ps=0)

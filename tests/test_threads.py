@@ -17,7 +17,7 @@ import pytest
 POLLS_DURING_RECONNECTS = """
 import threading
 import kerasps
-from kerasps import _tf
+from kerasps.backend import _tf
 
 strategy = kerasps.ParameterServerStrategy(kerasps.cluster.in_process(num_workers=2, num_ps=1))
 coordinator = kerasps.ClusterCoordinator(strategy)
@@ -40,7 +40,7 @@ print("DONE", polls[0] > 0)
 POLL_DURING_A_BLOCKED_RECONNECT = """
 import threading
 import kerasps
-from kerasps import _tf
+from kerasps.backend import _tf
 from tensorflow.python.eager import context
 
 strategy = kerasps.ParameterServerStrategy(kerasps.cluster.in_process(num_workers=2, num_ps=1))

@@ -1,18 +1,23 @@
 """The one place kerasps reaches into Keras' private modules (`keras.src...`).
 
 Keras 3 has no extension points for parameter-server training, so kerasps
-hooks in at a few seams. Each hook defers to the original Keras code unless
-the object involved belongs to a kerasps strategy, so Keras behaves exactly as
-before outside a kerasps scope. A Keras upgrade that moves these seams touches
-only this file.
+hooks in at a few seams. Each seam is a function of this module, named after
+what it does, whose docstring says which Keras behaviour it changes and when it
+defers to Keras' own code: unless the object involved belongs to a kerasps
+strategy, so Keras behaves exactly as before outside a kerasps scope. The table
+`SEAMS` says which Keras attribute each replaces; `install()` replaces them (a
+loop), `uninstall()` puts Keras' own objects back (the same objects). A Keras
+upgrade that moves these seams touches only this file.
 
-Seams:
+Seams (see `SEAMS`):
   * `Variable.__new__`: under a kerasps scope with a partitioner, a variable
     large enough to split is created as a `kerasps.ShardedVariable`.
   * `Variable._initialize`: names the variable being placed, for the
     placement report.
   * `Variable.assign_add/assign_sub`: on a ps task, TensorFlow's atomic op (no
     update lost between workers); an increment known when tracing is made there.
+    `Variable.__add__/__radd__/assign`: a metric accumulator's `v.assign(v + d)`
+    becomes an atomic `assign_add(d)`.
   * `Tracker.add_to_store`: a layer tracks the shards of a `ShardedVariable`
     (so `trainable_variables`, gradients and optimizers see real variables,
     as `tf_keras` did with TF's `ShardedVariable`).
@@ -22,36 +27,42 @@ Seams:
     slots, whatever the number of shards. `TFOptimizer.build` notes how many
     variables an optimizer had before it was built: a file saved then (a model
     saved before any training) restores those and no slots.
-  * `saving_lib._load_state`: loading a weights file into a kerasps model
-    checks every variable's shape before assigning any.
+  * `saving_lib._load_state` (and `Variable.assign`): loading a weights file into
+    a kerasps model checks every variable's shape before assigning any.
   * `Layer.get_weights/set_weights`: whole variables; `Model.export`: a
     single-process copy is exported.
+  * `TFOptimizer.__init__`: `iterations` and the learning rate on one ps task.
   * `TFOptimizer.add_variable_from_reference`: optimizer slots are never
     re-partitioned; they sit next to their variable, and the slots of a
     sharded variable's shards make a `ShardedVariable`.
   * `TFOptimizer._distributed_tf_update_step/_apply_weight_decay`: a shard
     with a row-update gradient is updated on the batch's rows only
-    (`kerasps.sparse`), as the strategy's `sparse_updates` mode allows; the
+    (`kerasps.params.sparse`), as the strategy's `sparse_updates` mode allows; the
     learning rate and `iterations` are read once per step, not per variable,
     and the small gradients of one ps task's variables cross to it in one tensor.
   * `backend.numpy.take`: a row lookup in a `ShardedVariable` gathers on each
     shard's ps task instead of concatenating the whole table.
   * `TensorFlowTrainer.fit/evaluate/predict` (and the `*_on_batch` methods):
-    models built under a kerasps strategy run through `kerasps.trainer`.
-  * `Variable._value`: a Keras variable whose TensorFlow variable was deleted
-    when the process connected to its cluster raises an error saying so.
+    models built under a kerasps strategy run through `kerasps.keras.trainer`.
+
+Not a seam: `disown_variables_of_old_context` marks the Keras variables that
+TensorFlow deleted when the process connected to its cluster (`_DeletedValue`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import dataclasses
 import functools
 import inspect
 import json
 import os
 import shutil
+import sys
 import threading
 import weakref
+from collections.abc import Callable
 
 import keras
 import numpy as np
@@ -89,6 +100,10 @@ __all__ = [
     "pythonify_logs",
     "in_stateless_scope",
     "install",
+    "installed",
+    "uninstall",
+    "SEAMS",
+    "Seam",
 ]
 
 class _DeletedValue:
@@ -352,7 +367,6 @@ def checking_weights_file() -> bool:
 
 
 _VARIABLE_SIGNATURE = inspect.signature(KerasTFVariable.__init__)
-_installed = False
 
 
 def variable_path(name: str) -> str:
@@ -400,418 +414,756 @@ class _Filled(keras.initializers.Constant):
         return tf.fill(shape, tf.cast(self.value, dtype))
 
 
+# The seams ------------------------------------------------------------------
+# Each function below replaces one Keras attribute (the table `SEAMS`, after them,
+# says which); each defers to Keras' own code, `_keras_original(target, attribute)`,
+# unless the object involved belongs to a kerasps strategy. The handlers they call
+# (the trainer, the variables' creator, the row-update rule) are `_handlers`, set by
+# `install`: this module, below them all, imports none of them.
+
+
+class _Handlers:
+    """The kerasps modules the seams call, as `install` was handed them."""
+
+    trainer = None  # `kerasps.keras.trainer`: `fit`, `evaluate` ..., `uses_kerasps`
+    variables = None  # `kerasps.params.variables`: the variables' creator, `ShardedVariable`
+    sparse = None  # `kerasps.params.sparse`: the row-update rule
+
+
+_handlers = _Handlers()
+
+# (target, attribute) -> what `getattr(target, attribute)` gave before `install`
+# (inherited or not): the Keras code a seam defers to. Kept after `uninstall`, so that
+# a seam bound before (a `model.fit` held by a caller) still reaches Keras' code.
+_keras_code: dict = {}
+
+
+def _keras_original(target, attribute: str):
+    """The Keras code that the seam at `target.<attribute>` replaced."""
+    return _keras_code[target, attribute]
+
+
+# Variables -------------------------------------------------------------------
+
+def new_variable_sharded_when_partitioned(cls, *args, **kwargs):
+    """Replaces `keras.Variable.__new__`: a partitioned variable is a `ShardedVariable`.
+
+    Under a kerasps scope whose partitioner splits the variable (the variables' creator,
+    `kerasps.params.variables.sharded_class_for`, names a class), `keras.Variable(...)`
+    makes a `kerasps.ShardedVariable`. Defers to Keras (`object.__new__`: Keras defines
+    no `__new__`) for subclasses of `keras.Variable` and for variables not split.
+    """
+    if cls is KerasTFVariable:
+        sharded_cls = _handlers.variables.sharded_class_for(args, kwargs)
+        if sharded_cls is not None:
+            return object.__new__(sharded_cls)
+    original = _keras_original(KerasTFVariable, "__new__")
+    if original is object.__new__:
+        return object.__new__(cls)
+    return original(cls, *args, **kwargs)
+
+
+def initialize_variable_where_placed(self, value):
+    """Replaces `keras.Variable._initialize`: names the variable being placed.
+
+    Under a kerasps strategy's scope the variable is marked as a ps variable
+    (`_kerasps_remote`, which the atomic updates below read) and created inside
+    `kerasps.params.variables.creating(self)`, which names it for the placement report.
+    Defers to Keras' `_initialize` alone outside any kerasps scope.
+    """
+    original = _keras_original(KerasTFVariable, "_initialize")
+    if _handlers.variables.kerasps_strategy() is None:
+        return original(self, value)
+    self._kerasps_remote = True
+    with _handlers.variables.creating(self):
+        return original(self, value)
+
+
+def _atomic_update(variable, value, op_name):
+    """`variable.<op_name>(value)` (`"assign_add"`, `"assign_sub"`) as TensorFlow's
+    atomic op on a ps variable, or Keras' read-then-write elsewhere."""
+    if getattr(variable, "_kerasps_remote", False) and not in_stateless_scope():
+        value = _cast_where_needed(value, variable._value)
+        getattr(variable._value, op_name)(value)
+        return value
+    return _keras_original(KerasTFVariable, op_name)(variable, value)
+
+
+def assign_add_atomically(self, value):
+    """Replaces `keras.Variable.assign_add`: no update of a ps variable is lost.
+
+    Keras adds as `assign(self + value)`, a read and a write: two workers doing it
+    at once lose one update (metric totals, the optimizer's `iterations`). A ps
+    variable (`_kerasps_remote`) outside a stateless scope gets TensorFlow's atomic
+    `AssignAddVariableOp` instead, with an increment known when tracing made on the
+    variable's device. Defers to Keras' `assign_add` for every other variable.
+    """
+    return _atomic_update(self, value, "assign_add")
+
+
+def assign_sub_atomically(self, value):
+    """Replaces `keras.Variable.assign_sub`: no update of a ps variable is lost.
+
+    As `assign_add_atomically`, with TensorFlow's atomic `AssignSubVariableOp`.
+    Defers to Keras' `assign_sub` for every variable not on a ps task and in a
+    stateless scope.
+    """
+    return _atomic_update(self, value, "assign_sub")
+
+
+def _is_accumulator(variable) -> bool:
+    """A metric's accumulator on a ps task (metric state is declared
+    `synchronization="on_read"`), used inside a traced function."""
+    return (getattr(variable, "_kerasps_remote", False)
+            and variable.synchronization == "on_read" and tf.inside_function())
+
+
+def _add_noting_sum(variable, other, op_name):
+    result = _keras_original(KerasTFVariable, op_name)(variable, other)
+    if _is_accumulator(variable):
+        variable._kerasps_last_sum = (result, other)
+    return result
+
+
+def add_noting_accumulator_sum(self, other):
+    """Replaces `keras.Variable.__add__`: notes a metric accumulator's sum.
+
+    Keras metrics (AUC, Precision, Recall, MeanIoU ...) accumulate with
+    `v.assign(v + delta)`. For an accumulator on a ps task inside a traced function
+    (`_is_accumulator`), the sum and `delta` are noted on the variable, so that
+    `assign_shape_checked_or_atomic` turns the assignment of that sum into an atomic
+    `assign_add(delta)`. The sum itself is always Keras' `__add__`.
+    """
+    return _add_noting_sum(self, other, "__add__")
+
+
+def radd_noting_accumulator_sum(self, other):
+    """Replaces `keras.Variable.__radd__`: notes a metric accumulator's sum (`delta + v`).
+
+    As `add_noting_accumulator_sum`; the sum itself is always Keras' `__radd__`.
+    """
+    return _add_noting_sum(self, other, "__radd__")
+
+
+def assign_shape_checked_or_atomic(self, value):
+    """Replaces `keras.Variable.assign`: checks shapes only, or adds atomically.
+
+    During the checking pass of a weights file load (`load_weights_file_all_or_nothing`)
+    the assignment only checks the value's shape (`kerasps.params.variables.check_shape`) and
+    changes nothing. The assignment of a sum that `add_noting_accumulator_sum` noted
+    (`v.assign(v + delta)` on a metric accumulator on a ps task) becomes TensorFlow's
+    atomic `assign_add(delta)`. Any other assignment is Keras' `assign`.
+    """
+    if _loading.checking:
+        _handlers.variables.check_shape(self, np.shape(value))
+        return value
+    last_sum = getattr(self, "_kerasps_last_sum", None)
+    if last_sum is not None and value is last_sum[0] and _is_accumulator(self):
+        self._kerasps_last_sum = None
+        delta = tf.cast(last_sum[1], self._value.dtype)
+        self._value.assign_add(delta)
+        return value
+    return _keras_original(KerasTFVariable, "assign")(self, value)
+
+
+# Layer tracking ----------------------------------------------------------------
+
+def track_shards_of_sharded_variables(self, store_name, value):
+    """Replaces `keras.src.utils.tracking.Tracker.add_to_store`: a layer tracks shards.
+
+    A `kerasps.ShardedVariable` assigned to a layer adds its shards to the store (so
+    `trainable_variables`, gradients and optimizers see real variables, as `tf_keras`
+    did with TensorFlow's `ShardedVariable`), and the container is marked as seen so
+    that `track` does not add it again. Defers to Keras for every other value.
+    """
+    original = _keras_original(tracking.Tracker, "add_to_store")
+    if isinstance(value, _handlers.variables.ShardedVariable):
+        for shard in value.shards:
+            if not self.is_in_store(store_name, shard):
+                original(self, store_name, shard)
+        self.stored_ids[store_name].add(id(value))
+        return
+    return original(self, store_name, value)
+
+
+# Saved state -------------------------------------------------------------------
+# Layers and optimizers save and load whole variables, never shards: a slot of a
+# sharded variable is a `ShardedVariable` made of the per-shard slots
+# (`kerasps.params.variables.track_slot`). `.weights.h5`, `.keras` files and
+# `tf.train.Checkpoint`s do not depend on the number of ps tasks.
+
+# A file saved before an optimizer was built (a model saved before any training)
+# holds what it had then: its iteration and learning rate, no slots.
+_unbuilt_sizes = weakref.WeakKeyDictionary()  # optimizer -> variables before `build`
+_whole_lists = weakref.WeakKeyDictionary()  # optimizer -> {attribute: tracked list}
+
+
+def _own_variables(saveable):
+    if isinstance(saveable, Layer):
+        return saveable._trainable_variables + saveable._non_trainable_variables
+    return saveable.variables
+
+
+def _logical(saveable):
+    """The whole variables of a layer's or optimizer's own variables."""
+    return _handlers.variables.logical_variables(_own_variables(saveable))
+
+
+def _sharded(saveable) -> bool:
+    """Whether a layer or optimizer holds shards of a `ShardedVariable`."""
+    return any(hasattr(v, "_kerasps_container") for v in _own_variables(saveable))
+
+
+def check_layer_loads_whole_variables(self, store):
+    """Replaces `Layer._check_load_own_variables`: a file holds whole variables.
+
+    A layer holding shards accepts a store with one entry per whole variable. Defers
+    to Keras' check for layers without shards and for stores of another size.
+    """
+    if _sharded(self) and len(store.keys()) == len(_logical(self)):
+        return
+    return _keras_original(Layer, "_check_load_own_variables")(self, store)
+
+
+def _save_whole_variables(saveable, store, target):
+    if not _sharded(saveable):
+        return _keras_original(target, "save_own_variables")(saveable, store)
+    for i, variable in enumerate(_logical(saveable)):
+        store[f"{i}"] = variable
+
+
+def _load_whole_variables(saveable, store, target):
+    if not _sharded(saveable):
+        return _keras_original(target, "load_own_variables")(saveable, store)
+    variables = _logical(saveable)
+    if isinstance(saveable, Layer):
+        saveable._check_load_own_variables(store)
+    elif len(store.keys()) == _unbuilt_sizes.get(saveable):
+        # Saved before it was built (no training yet): the file holds the
+        # variables made before the slots, and no slots.
+        variables = variables[:len(store.keys())]
+    elif len(store.keys()) != len(variables):
+        # Keras warns and keeps the optimizer as it is: never silently.
+        unbuilt = _unbuilt_sizes.get(saveable)
+        raise ValueError(
+            f"The saved state of optimizer '{saveable.name}' does not line up with "
+            f"it: it has {len(variables)} variables"
+            + (f" ({unbuilt} before it was built)" if unbuilt is not None else "")
+            + f", the file holds {len(store.keys())}. "
+            f"Expected: {[v.path for v in variables]}")
+    for i, variable in enumerate(variables):
+        variable.assign(store[f"{i}"])
+
+
+def save_layer_whole_variables(self, store):
+    """Replaces `Layer.save_own_variables`: a layer saves whole variables, not shards.
+
+    Defers to Keras' `save_own_variables` for a layer that holds no shard.
+    """
+    return _save_whole_variables(self, store, Layer)
+
+
+def load_layer_whole_variables(self, store):
+    """Replaces `Layer.load_own_variables`: a layer loads whole variables into its shards.
+
+    Defers to Keras' `load_own_variables` for a layer that holds no shard.
+    """
+    return _load_whole_variables(self, store, Layer)
+
+
+def save_optimizer_whole_variables(self, store):
+    """Replaces `TFOptimizer.save_own_variables`: whole variables and whole slots.
+
+    Defers to Keras' `save_own_variables` for an optimizer that holds no shard.
+    """
+    return _save_whole_variables(self, store, tf_optimizer.TFOptimizer)
+
+
+def load_optimizer_whole_variables(self, store):
+    """Replaces `TFOptimizer.load_own_variables`: whole variables and whole slots.
+
+    A file saved before the optimizer was built (`build_optimizer_noting_unbuilt_size`)
+    restores the variables it had then, and no slots; a file of another size raises
+    `ValueError` (Keras warns and loads nothing). Defers to Keras'
+    `load_own_variables` for an optimizer that holds no shard.
+    """
+    return _load_whole_variables(self, store, tf_optimizer.TFOptimizer)
+
+
+def build_optimizer_noting_unbuilt_size(self, variables):
+    """Replaces `TFOptimizer.build`: notes how many variables it had before.
+
+    Keras' optimizers build their base class first, before adding any variable:
+    the number of variables then is what a file saved before any training holds
+    (`load_optimizer_whole_variables`). Then builds as Keras does (the next
+    `build` after `TFOptimizer`'s in the optimizer's classes).
+    """
+    if not self.built:
+        _unbuilt_sizes.setdefault(self, len(self._variables))
+    return super(tf_optimizer.TFOptimizer, self).build(variables)
+
+
+def checkpoint_optimizer_whole_variables(self, save_type="checkpoint", **kwargs):
+    """Replaces `TFOptimizer._trackable_children`: a checkpoint sees whole variables.
+
+    An optimizer lists shards and their slots (`_variables`, `_momentums` ...); a
+    `tf.train.Checkpoint` sees the whole variables in their place. The lists are
+    kept while unchanged: checkpoints identify children by object. Keras' children
+    are returned as they are where no list holds a shard.
+    """
+    children = _keras_original(tf_optimizer.TFOptimizer, "_trackable_children")(
+        self, save_type, **kwargs)
+    lists = _whole_lists.setdefault(self, {})
+    for name, child in children.items():
+        if isinstance(child, list) and any(hasattr(v, "_kerasps_container") for v in child):
+            whole = _handlers.variables.logical_variables(child)
+            if [id(v) for v in lists.get(name, ())] != [id(v) for v in whole]:
+                lists[name] = tf.__internal__.tracking.wrap(whole)
+            children[name] = lists[name]
+    return children
+
+
+def load_weights_file_all_or_nothing(saveable, weights_store, assets_store, inner_path,
+                                     skip_mismatch=False, visited_saveables=None,
+                                     failed_saveables=None, error_msgs=None):
+    """Replaces `keras.src.saving.saving_lib._load_state`: all or nothing for kerasps.
+
+    Loading a weights file (`load_weights`, `load_model`) into a kerasps model first
+    runs Keras' loading code with `assign` only checking shapes
+    (`assign_shape_checked_or_atomic`), so a file that does not match raises (naming
+    the variable and both shapes) before any variable changes. Keras' `_load_state`
+    alone loads a model not built under a kerasps strategy, an inner object, or with
+    `skip_mismatch`.
+    """
+    original = _keras_original(saving_lib, "_load_state")
+    if not (inner_path or skip_mismatch or _loading.checking
+            or not _handlers.trainer.uses_kerasps(saveable)):
+        _loading.checking = True
+        try:
+            original(saveable, weights_store, None, inner_path,
+                     visited_saveables=set(visited_saveables or ()))
+        finally:
+            _loading.checking = False
+    return original(saveable, weights_store, assets_store, inner_path,
+                    skip_mismatch, visited_saveables, failed_saveables, error_msgs)
+
+
+def _whole_weights(layer):
+    """A layer's whole variables where it holds shards, else `None`."""
+    weights = layer.weights
+    if any(hasattr(v, "_kerasps_container") for v in weights):
+        return _handlers.variables.logical_variables(weights)
+    return None
+
+
+def get_whole_weights(self):
+    """Replaces `Layer.get_weights`: whole variables, never shards.
+
+    Weights move between sharded and single-process models. Defers to Keras'
+    `get_weights` for a layer that holds no shard.
+    """
+    variables = _whole_weights(self)
+    if variables is None:
+        return _keras_original(Layer, "get_weights")(self)
+    return [variable.numpy() for variable in variables]
+
+
+def set_whole_weights(self, weights):
+    """Replaces `Layer.set_weights`: whole variables, never shards.
+
+    Every value's shape is checked before any variable is assigned. Defers to
+    Keras' `set_weights` for a layer that holds no shard.
+    """
+    variables = _whole_weights(self)
+    if variables is None:
+        return _keras_original(Layer, "set_weights")(self, weights)
+    if len(variables) != len(weights):
+        raise ValueError(
+            f"You called `set_weights(weights)` on layer '{self.name}' with a weight "
+            f"list of length {len(weights)}, but the layer was expecting "
+            f"{len(variables)} weights (whole variables, not shards).")
+    for variable, value in zip(variables, weights):  # check all, then assign
+        if tuple(variable.shape) != np.shape(value):
+            raise ValueError(
+                f"Layer {self.name} weight {variable.path!r} has shape "
+                f"{tuple(variable.shape)}, not compatible with provided weight shape "
+                f"{np.shape(value)}.")
+    for variable, value in zip(variables, weights):
+        variable.assign(value)
+
+
+def export_single_process_copy(self, filepath, *args, **kwargs):
+    """Replaces `Model.export`: a kerasps model exports a single-process copy.
+
+    The copy (`clone_model`, built outside any strategy) has the same weights, so
+    the artifact holds whole variables and loads anywhere; exporting inside
+    `strategy.scope()` raises `RuntimeError`. Defers to Keras' `export` for a model
+    not built under a kerasps strategy.
+    """
+    original = _keras_original(Model, "export")
+    if not _handlers.trainer.uses_kerasps(self):
+        return original(self, filepath, *args, **kwargs)
+    if _handlers.variables.kerasps_strategy() is not None:
+        raise RuntimeError(
+            f"Call `model.export({str(filepath)!r})` outside `strategy.scope()`: the "
+            "exported model is a single-process copy, built outside any strategy.")
+    copy = clone_model(self)
+    copy.set_weights(self.get_weights())
+    return original(copy, filepath, *args, **kwargs)
+
+
+# Optimizers ----------------------------------------------------------------------
+
+def init_optimizer_on_one_ps_task(self, *args, **kwargs):
+    """Replaces `TFOptimizer.__init__`: `iterations` and the learning rate share a ps task.
+
+    Every update reads both, and `_step_scalars_sent_once` sends them together from
+    there. Keras' `__init__` runs inside `kerasps.params.variables.on_ps_task()`, which
+    places nothing outside a kerasps scope.
+    """
+    with _handlers.variables.on_ps_task():
+        _keras_original(tf_optimizer.TFOptimizer, "__init__")(self, *args, **kwargs)
+
+
+def _filled_slots(args, kwargs):
+    """A constant slot (Adagrad's accumulators) of a shard made by one fill."""
+    if len(args) >= 2:
+        args = (args[0], _Filled.of(args[1]), *args[2:])
+    elif "initializer" in kwargs:
+        kwargs = dict(kwargs, initializer=_Filled.of(kwargs["initializer"]))
+    return args, kwargs
+
+
+def add_slot_next_to_its_variable(self, reference_variable, *args, **kwargs):
+    """Replaces `TFOptimizer.add_variable_from_reference`: slots are never re-partitioned.
+
+    A slot is made by Keras' `add_variable_from_reference` inside
+    `kerasps.params.variables.no_partitioning()`, next to its variable, and
+    `kerasps.params.variables.track_slot` makes the slots of a sharded variable's shards a
+    `ShardedVariable`; a constant slot of a shard is made by one fill (`_Filled`).
+    Raises `ValueError` for a shard's slot made after a `tf.train.Checkpoint` restore
+    reached the optimizer (TensorFlow would restore whole slots into shards' slots).
+    Outside a kerasps scope this is Keras' own slot.
+    """
+    if hasattr(reference_variable, "_kerasps_container") and any(
+            getattr(trackable, "_deferred_dependencies", None)
+            for trackable in (self, self._variables)):
+        raise ValueError(
+            f"Optimizer '{self.name}' is being built after a `tf.train.Checkpoint` "
+            "restore reached it, and its slots for sharded variable "
+            f"{reference_variable._kerasps_container.path!r} cannot be restored "
+            "exactly that way. Build the optimizer before restoring: "
+            "`model.optimizer.build(model.trainable_variables)` under `strategy.scope()`.")
+    if hasattr(reference_variable, "_kerasps_container"):
+        args, kwargs = _filled_slots(args, kwargs)
+    with _handlers.variables.no_partitioning():
+        slot = _keras_original(tf_optimizer.TFOptimizer, "add_variable_from_reference")(
+            self, reference_variable, *args, **kwargs)
+    _handlers.variables.track_slot(self, reference_variable, slot)
+    return slot
+
+
+def _lazily_decayed(optimizer, variable) -> bool:
+    """Lazy mode decays a table's shard with its update: its touched rows only."""
+    return (sparse_mode(optimizer) == _handlers.sparse.LAZY
+            and optimizer.weight_decay is not None
+            and hasattr(variable, "_kerasps_container")
+            and optimizer._use_weight_decay(variable))
+
+
+def _update_variable(variable, optimizer, mode, received, unpack):
+    """One variable's update, on its ps task: `kerasps.params.sparse.update_rows` for a
+    shard with a row update where `mode` allows it, else Keras' `update_step`."""
+    learning_rate = unpack()  # here: on the variable's ps task
+    gradient = received()
+    keras_variable = optimizer._trainable_variables[optimizer._get_variable_index(variable)]
+    decayed = _lazily_decayed(optimizer, keras_variable)
+    if not (hasattr(keras_variable, "_kerasps_container") and _handlers.sparse.update_rows(
+            optimizer, gradient, variable, learning_rate, mode, weight_decay=decayed)):
+        if decayed:
+            _handlers.sparse.decay(optimizer, variable)
+        optimizer.update_step(gradient, variable, learning_rate)
+
+
+def update_rows_and_send_once(self, distribution, grads_and_vars, learning_rate):
+    """Replaces `TFOptimizer._distributed_tf_update_step`: row updates, fewer transfers.
+
+    Under a kerasps strategy (`sparse_mode` is not `None`), a shard of a
+    `ShardedVariable` whose gradient is a row update is updated on the batch's rows
+    only (`kerasps.params.sparse.update_rows`) as the strategy's `sparse_updates` mode
+    allows; every other variable gets Keras' `update_step`. The learning rate and
+    `iterations` cross to each ps task once per step (`_step_scalars_sent_once`),
+    and the small gradients of one ps task's variables in one tensor
+    (`_gradients_sent_together`). Defers to Keras for an optimizer of no kerasps
+    strategy.
+    """
+    mode = sparse_mode(self)
+    if mode is None:
+        return _keras_original(tf_optimizer.TFOptimizer, "_distributed_tf_update_step")(
+            self, distribution, grads_and_vars, learning_rate)
+    grads_and_vars = list(grads_and_vars)
+    with _step_scalars_sent_once(self, learning_rate) as unpack:
+        for (_, variable), received in zip(grads_and_vars,
+                                           _gradients_sent_together(grads_and_vars)):
+            distribution.extended.update(
+                variable, functools.partial(_update_variable, optimizer=self, mode=mode,
+                                            received=received, unpack=unpack),
+                group=False)
+
+
+def apply_weight_decay_but_lazily(self, variables):
+    """Replaces `TFOptimizer._apply_weight_decay`: lazy mode decays tables' touched rows.
+
+    Keras' `_apply_weight_decay` runs on every variable except the shards that
+    `update_rows_and_send_once` decays with their row update (the strategy's
+    `sparse_updates="lazy"`); with no such shard, it is Keras' own.
+    """
+    return _keras_original(tf_optimizer.TFOptimizer, "_apply_weight_decay")(
+        self, [v for v in variables if not _lazily_decayed(self, v)])
+
+
+# Row lookups -----------------------------------------------------------------------
+
+def take_rows_from_shards(x, indices, axis=None):
+    """Replaces `keras.src.backend.tensorflow.numpy.take` (`keras.ops.take`): per shard.
+
+    A row lookup (`axis` 0) in a `kerasps.ShardedVariable` gathers on each shard's ps
+    task (`ShardedVariable.lookup`) instead of concatenating the whole table. Defers
+    to Keras' `take` for anything else.
+    """
+    if isinstance(x, _handlers.variables.ShardedVariable) and axis in (0, -x.ndim):
+        return x.lookup(indices)
+    return _keras_original(tf_numpy, "take")(x, indices, axis=axis)
+
+
+# Training loops --------------------------------------------------------------------
+
+def _dispatch(model, name, args, kwargs):
+    """`model.<name>(*args, **kwargs)`: `kerasps.keras.trainer`'s for a model built under a
+    kerasps strategy (inside its scope), else Keras'."""
+    if _handlers.trainer.uses_kerasps(model):
+        with model.distribute_strategy.scope():
+            return getattr(_handlers.trainer, name)(model, *args, **kwargs)
+    _build_optimizer_for_tables(model)
+    return _keras_original(TensorFlowTrainer, name)(model, *args, **kwargs)
+
+
+def fit_on_workers(self, *args, **kwargs):
+    """Replaces `TensorFlowTrainer.fit`: a kerasps model trains on the workers.
+
+    A model built under a kerasps strategy trains with `kerasps.keras.trainer.fit`. Any
+    other model trains with Keras' `fit` (its optimizer built first where a
+    `kerasps.layers.DynamicEmbedding` needs its slots when tracing).
+    """
+    return _dispatch(self, "fit", args, kwargs)
+
+
+def evaluate_on_workers(self, *args, **kwargs):
+    """Replaces `TensorFlowTrainer.evaluate`: `kerasps.keras.trainer.evaluate` for a kerasps
+    model, Keras' `evaluate` for any other."""
+    return _dispatch(self, "evaluate", args, kwargs)
+
+
+def predict_on_workers(self, *args, **kwargs):
+    """Replaces `TensorFlowTrainer.predict`: `kerasps.keras.trainer.predict` for a kerasps
+    model, Keras' `predict` for any other."""
+    return _dispatch(self, "predict", args, kwargs)
+
+
+def train_on_batch_on_workers(self, *args, **kwargs):
+    """Replaces `TensorFlowTrainer.train_on_batch`: `kerasps.keras.trainer.train_on_batch`
+    for a kerasps model, Keras' `train_on_batch` for any other."""
+    return _dispatch(self, "train_on_batch", args, kwargs)
+
+
+def test_on_batch_on_workers(self, *args, **kwargs):
+    """Replaces `TensorFlowTrainer.test_on_batch`: `kerasps.keras.trainer.test_on_batch`
+    for a kerasps model, Keras' `test_on_batch` for any other."""
+    return _dispatch(self, "test_on_batch", args, kwargs)
+
+
+def predict_on_batch_on_workers(self, *args, **kwargs):
+    """Replaces `TensorFlowTrainer.predict_on_batch`: `kerasps.keras.trainer.predict_on_batch`
+    for a kerasps model, Keras' `predict_on_batch` for any other."""
+    return _dispatch(self, "predict_on_batch", args, kwargs)
+
+
+# The table ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Seam:
+    """One Keras attribute kerasps replaces: `target.<attribute> = replacement`."""
+
+    target: object  # a Keras class or module
+    attribute: str
+    replacement: Callable
+
+
+_TFOptimizer = tf_optimizer.TFOptimizer
+
+SEAMS = (
+    # Variables: creation, placement, atomic updates of ps variables.
+    Seam(KerasTFVariable, "__new__", new_variable_sharded_when_partitioned),
+    Seam(KerasTFVariable, "_initialize", initialize_variable_where_placed),
+    Seam(KerasTFVariable, "assign_add", assign_add_atomically),
+    Seam(KerasTFVariable, "assign_sub", assign_sub_atomically),
+    Seam(KerasTFVariable, "__add__", add_noting_accumulator_sum),
+    Seam(KerasTFVariable, "__radd__", radd_noting_accumulator_sum),
+    Seam(KerasTFVariable, "assign", assign_shape_checked_or_atomic),
+    # Layer tracking.
+    Seam(tracking.Tracker, "add_to_store", track_shards_of_sharded_variables),
+    # Saved state: whole variables, whatever the number of shards.
+    Seam(Layer, "_check_load_own_variables", check_layer_loads_whole_variables),
+    Seam(Layer, "save_own_variables", save_layer_whole_variables),
+    Seam(Layer, "load_own_variables", load_layer_whole_variables),
+    Seam(_TFOptimizer, "build", build_optimizer_noting_unbuilt_size),
+    Seam(_TFOptimizer, "save_own_variables", save_optimizer_whole_variables),
+    Seam(_TFOptimizer, "load_own_variables", load_optimizer_whole_variables),
+    Seam(_TFOptimizer, "_trackable_children", checkpoint_optimizer_whole_variables),
+    Seam(saving_lib, "_load_state", load_weights_file_all_or_nothing),
+    Seam(Layer, "get_weights", get_whole_weights),
+    Seam(Layer, "set_weights", set_whole_weights),
+    Seam(Model, "export", export_single_process_copy),
+    # Optimizers: scalars on one ps task, slots next to their variable, row updates.
+    Seam(_TFOptimizer, "__init__", init_optimizer_on_one_ps_task),
+    Seam(_TFOptimizer, "add_variable_from_reference", add_slot_next_to_its_variable),
+    Seam(_TFOptimizer, "_distributed_tf_update_step", update_rows_and_send_once),
+    Seam(_TFOptimizer, "_apply_weight_decay", apply_weight_decay_but_lazily),
+    # Row lookups.
+    Seam(tf_numpy, "take", take_rows_from_shards),
+    # Training loops.
+    Seam(TensorFlowTrainer, "fit", fit_on_workers),
+    Seam(TensorFlowTrainer, "evaluate", evaluate_on_workers),
+    Seam(TensorFlowTrainer, "predict", predict_on_workers),
+    Seam(TensorFlowTrainer, "train_on_batch", train_on_batch_on_workers),
+    Seam(TensorFlowTrainer, "test_on_batch", test_on_batch_on_workers),
+    Seam(TensorFlowTrainer, "predict_on_batch", predict_on_batch_on_workers),
+)
+
+_ABSENT = object()  # a target had no attribute of that name of its own
+_saved: dict = {}  # Seam -> the target's own attribute before `install`, or `_ABSENT`
+_installed = False
+
+
+def installed() -> bool:
+    """Whether the seams are in Keras (`install` ran, `uninstall` did not since)."""
+    return _installed
+
+
+def _put_back(seams):
+    """Puts back what each of `seams` replaced: the same object, or no attribute."""
+    for seam in reversed(seams):
+        saved = _saved.pop(seam)
+        if saved is not _ABSENT:
+            setattr(seam.target, seam.attribute, saved)
+        elif seam.attribute == "__new__":
+            _delete_new(seam.target)
+        else:
+            delattr(seam.target, seam.attribute)
+        seam.replacement.__dict__.pop("__wrapped__", None)
+
+
+_Py_tp_new = 65  # CPython's slot number of `tp_new` (`Include/typeslots.h`)
+
+
+def _tp_new(cls) -> int:
+    """The address of the C function that makes `cls`'s instances (CPython's `tp_new`)."""
+    get_slot = ctypes.pythonapi.PyType_GetSlot
+    get_slot.argtypes, get_slot.restype = (ctypes.py_object, ctypes.c_int), ctypes.c_void_p
+    return get_slot(cls, _Py_tp_new)
+
+
+@functools.cache
+def _tp_new_offset() -> int:
+    """Where a class object holds its `tp_new`: the one word that holds `object`'s in a
+    class without `__new__` and CPython's `slot_tp_new` in a class with one."""
+    class Plain:
+        pass
+
+    class WithNew:
+        def __new__(cls):
+            return object.__new__(cls)
+
+    size = ctypes.sizeof(ctypes.c_void_p)
+
+    def word(cls, i):
+        return ctypes.c_void_p.from_address(id(cls) + i * size).value
+
+    found = [i * size for i in range(type.__basicsize__ // size)
+             if word(Plain, i) == _tp_new(Plain) and word(WithNew, i) == _tp_new(WithNew)]
+    if len(found) != 1:
+        raise RuntimeError(f"kerasps cannot find `tp_new` in a class object (found {found})")
+    return found[0]
+
+
+def _delete_new(cls):
+    """Deletes `cls.__new__`, and lets the classes whose `__new__` is `object.__new__`
+    again make their instances as they did before it was set.
+
+    CPython does not recompute a class's `tp_new` when its `__new__` is deleted
+    (`update_one_slot` in `Objects/typeobject.c` keeps the `slot_tp_new` that setting
+    it put there, in the class and its subclasses; CPython issues bpo-25731 and
+    gh-105888): the class then calls `object.__new__` with the constructor's
+    arguments, which raises `TypeError: object.__new__() takes exactly one argument`.
+    The `tp_new` of each class of the tree whose `__new__` is `object.__new__` again is
+    set back to `object`'s, as it was before `__new__` was set.
+    """
+    slot_tp_new = _tp_new(cls)
+    delattr(cls, "__new__")
+    if sys.implementation.name != "cpython":
+        return
+    classes = [cls]
+    while classes:
+        each = classes.pop()
+        classes.extend(each.__subclasses__())
+        if each.__new__ is object.__new__ and _tp_new(each) == slot_tp_new:
+            ctypes.c_void_p.from_address(id(each) + _tp_new_offset()).value = _tp_new(object)
+            ctypes.pythonapi.PyType_Modified(ctypes.py_object(each))
+
+
 def install(*, trainer, variables, sparse):
-    """Installs the hooks (idempotent), handing them to kerasps's handlers.
+    """Installs the seams into Keras (idempotent), handing them kerasps's handlers.
 
     Called by `kerasps.keras.hooks.install` (a strategy, a `DynamicEmbedding`): this
-    module, below them all, imports none of the handlers.
+    module, below them all, imports none of the handlers. Each seam of `SEAMS` saves
+    what its target held (the target's own attribute, or none: `uninstall` puts it
+    back) and the Keras code it defers to, then replaces it. A replacement's
+    `__wrapped__` is the Keras code, so `inspect.signature(model.fit)` is Keras'.
 
     Args:
-        trainer: the module of the trainer's `fit`, `evaluate` ... (`kerasps.trainer`).
-        variables: the module of the variables' creator (`kerasps.variables`).
-        sparse: the module of the row-update rule (`kerasps.sparse`).
+        trainer: the module of the trainer's `fit`, `evaluate` ... (`kerasps.keras.trainer`).
+        variables: the module of the variables' creator (`kerasps.params.variables`).
+        sparse: the module of the row-update rule (`kerasps.params.sparse`).
     """
     global _installed
     if _installed:
         return
+    _handlers.trainer, _handlers.variables, _handlers.sparse = trainer, variables, sparse
+    done = []
+    try:
+        for seam in SEAMS:
+            saved = vars(seam.target).get(seam.attribute, _ABSENT)
+            keras_code = getattr(seam.target, seam.attribute)
+            setattr(seam.target, seam.attribute, seam.replacement)
+            _saved[seam], _keras_code[seam.target, seam.attribute] = saved, keras_code
+            done.append(seam)
+            seam.replacement.__wrapped__ = keras_code
+    except BaseException:
+        _put_back(done)
+        raise
     _installed = True
-    kerasps_trainer, kerasps_variables, kerasps_sparse = trainer, variables, sparse
 
-    # Variable creation -------------------------------------------------------
-    original_new = KerasTFVariable.__new__
 
-    def variable_new(cls, *args, **kwargs):
-        if cls is KerasTFVariable:
-            sharded_cls = kerasps_variables.sharded_class_for(args, kwargs)
-            if sharded_cls is not None:
-                return object.__new__(sharded_cls)
-        if original_new is object.__new__:
-            return object.__new__(cls)
-        return original_new(cls, *args, **kwargs)
-
-    KerasTFVariable.__new__ = variable_new
-
-    original_initialize = KerasTFVariable._initialize
-
-    @functools.wraps(original_initialize)
-    def variable_initialize(self, value):
-        if kerasps_variables.kerasps_strategy() is None:
-            return original_initialize(self, value)
-        self._kerasps_remote = True
-        with kerasps_variables.creating(self):
-            return original_initialize(self, value)
-
-    KerasTFVariable._initialize = variable_initialize
-
-    # Concurrent updates of ps variables must not be lost. Keras implements
-    # `assign_add` as `assign(self + value)`, a read and a write: two workers
-    # doing it at once lose one update (metric totals, the optimizer's
-    # `iterations`). On ps variables use TensorFlow's atomic AssignAddVariableOp.
-    for op_name in ("assign_add", "assign_sub"):
-        original_op = getattr(KerasTFVariable, op_name)
-
-        def atomic_op(self, value, __original=original_op, __name=op_name):
-            if getattr(self, "_kerasps_remote", False) and not in_stateless_scope():
-                value = _cast_where_needed(value, self._value)
-                getattr(self._value, __name)(value)
-                return value
-            return __original(self, value)
-
-        functools.update_wrapper(atomic_op, original_op)
-        setattr(KerasTFVariable, op_name, atomic_op)
-
-    # Keras metrics (AUC, Precision, Recall, MeanIoU...) accumulate with
-    # `v.assign(v + delta)`. For accumulators on ps tasks (metric state is
-    # declared `synchronization="on_read"`), remember the sum `v + delta`
-    # computed in a traced function, and turn its assignment into an atomic
-    # `assign_add(delta)`. Any other assignment is left alone.
-    def _is_accumulator(variable):
-        return (getattr(variable, "_kerasps_remote", False)
-                and variable.synchronization == "on_read" and tf.inside_function())
-
-    for op_name in ("__add__", "__radd__"):
-        original_add = getattr(KerasTFVariable, op_name)
-
-        def remembered_add(self, other, __original=original_add):
-            result = __original(self, other)
-            if _is_accumulator(self):
-                self._kerasps_last_sum = (result, other)
-            return result
-
-        functools.update_wrapper(remembered_add, original_add)
-        setattr(KerasTFVariable, op_name, remembered_add)
-
-    original_assign = KerasTFVariable.assign
-
-    @functools.wraps(original_assign)
-    def assign(self, value):
-        last_sum = getattr(self, "_kerasps_last_sum", None)
-        if last_sum is not None and value is last_sum[0] and _is_accumulator(self):
-            self._kerasps_last_sum = None
-            delta = tf.cast(last_sum[1], self._value.dtype)
-            self._value.assign_add(delta)
-            return value
-        return original_assign(self, value)
-
-    KerasTFVariable.assign = assign
-
-    # Layer tracking ----------------------------------------------------------
-    original_add_to_store = tracking.Tracker.add_to_store
-
-    @functools.wraps(original_add_to_store)
-    def add_to_store(self, store_name, value):
-        if isinstance(value, kerasps_variables.ShardedVariable):
-            for shard in value.shards:
-                if not self.is_in_store(store_name, shard):
-                    original_add_to_store(self, store_name, shard)
-            # Mark the container as seen so `track` does not add it again.
-            self.stored_ids[store_name].add(id(value))
-            return
-        return original_add_to_store(self, store_name, value)
-
-    tracking.Tracker.add_to_store = add_to_store
-
-    # Saved state ---------------------------------------------------------------
-    # Layers and optimizers save and load whole variables, never shards: a slot
-    # of a sharded variable is a `ShardedVariable` made of the per-shard slots
-    # (`kerasps.variables.track_slot`). `.weights.h5`, `.keras` files and
-    # `tf.train.Checkpoint`s do not depend on the number of ps tasks.
-    def _own_variables(saveable):
-        if isinstance(saveable, Layer):
-            return saveable._trainable_variables + saveable._non_trainable_variables
-        return saveable.variables
-
-    def _logical(saveable):
-        return kerasps_variables.logical_variables(_own_variables(saveable))
-
-    def _sharded(saveable):
-        return any(hasattr(v, "_kerasps_container") for v in _own_variables(saveable))
-
-    original_check = Layer._check_load_own_variables
-
-    @functools.wraps(original_check)
-    def check_load_own_variables(self, store):
-        if _sharded(self) and len(store.keys()) == len(_logical(self)):
-            return
-        return original_check(self, store)
-
-    Layer._check_load_own_variables = check_load_own_variables
-
-    def save_and_load_whole_variables(cls):
-        original_save, original_load = cls.save_own_variables, cls.load_own_variables
-
-        @functools.wraps(original_save)
-        def save_own_variables(self, store):
-            if not _sharded(self):
-                return original_save(self, store)
-            for i, variable in enumerate(_logical(self)):
-                store[f"{i}"] = variable
-
-        @functools.wraps(original_load)
-        def load_own_variables(self, store):
-            if not _sharded(self):
-                return original_load(self, store)
-            variables = _logical(self)
-            if isinstance(self, Layer):
-                self._check_load_own_variables(store)
-            elif len(store.keys()) == unbuilt_sizes.get(self):
-                # Saved before it was built (no training yet): the file holds the
-                # variables made before the slots, and no slots.
-                variables = variables[:len(store.keys())]
-            elif len(store.keys()) != len(variables):
-                # Keras warns and keeps the optimizer as it is: never silently.
-                unbuilt = unbuilt_sizes.get(self)
-                raise ValueError(
-                    f"The saved state of optimizer '{self.name}' does not line up with "
-                    f"it: it has {len(variables)} variables"
-                    + (f" ({unbuilt} before it was built)" if unbuilt is not None else "")
-                    + f", the file holds {len(store.keys())}. "
-                    f"Expected: {[v.path for v in variables]}")
-            for i, variable in enumerate(variables):
-                variable.assign(store[f"{i}"])
-
-        cls.save_own_variables = save_own_variables
-        cls.load_own_variables = load_own_variables
-
-    # A file saved before an optimizer was built (a model saved before any
-    # training) holds what it had then: its iteration and learning rate, no slots.
-    # Keras' optimizers build their base class first, before adding any variable.
-    unbuilt_sizes = weakref.WeakKeyDictionary()  # optimizer -> variables before `build`
-
-    def build(self, variables):
-        if not self.built:
-            unbuilt_sizes.setdefault(self, len(self._variables))
-        return super(tf_optimizer.TFOptimizer, self).build(variables)
-
-    tf_optimizer.TFOptimizer.build = build
-
-    save_and_load_whole_variables(Layer)
-    save_and_load_whole_variables(tf_optimizer.TFOptimizer)
-
-    original_children = tf_optimizer.TFOptimizer._trackable_children
-    whole_lists = weakref.WeakKeyDictionary()  # optimizer -> {attribute: list}
-
-    @functools.wraps(original_children)
-    def trackable_children(self, save_type="checkpoint", **kwargs):
-        # An optimizer lists shards and their slots (`_variables`, `_momentums`,
-        # ...); a checkpoint sees whole variables in their place. The lists are
-        # kept while unchanged: checkpoints identify children by object.
-        children = original_children(self, save_type, **kwargs)
-        lists = whole_lists.setdefault(self, {})
-        for name, child in children.items():
-            if isinstance(child, list) and any(hasattr(v, "_kerasps_container")
-                                               for v in child):
-                whole = kerasps_variables.logical_variables(child)
-                if [id(v) for v in lists.get(name, ())] != [id(v) for v in whole]:
-                    lists[name] = tf.__internal__.tracking.wrap(whole)
-                children[name] = lists[name]
-        return children
-
-    tf_optimizer.TFOptimizer._trackable_children = trackable_children
-
-    # Loading a weights file (`load_weights`, `load_model`) into a kerasps model
-    # is all or nothing: a first pass runs the loading code with `assign` only
-    # checking shapes, so a file that does not match raises (naming the variable
-    # and both shapes) before any variable changes.
-    original_load_state = saving_lib._load_state
-    original_variable_assign = KerasTFVariable.assign
-
-    @functools.wraps(original_load_state)
-    def load_state(saveable, weights_store, assets_store, inner_path, skip_mismatch=False,
-                   visited_saveables=None, failed_saveables=None, error_msgs=None):
-        if not (inner_path or skip_mismatch or _loading.checking
-                or not kerasps_trainer.uses_kerasps(saveable)):
-            _loading.checking = True
-            try:
-                original_load_state(saveable, weights_store, None, inner_path,
-                                    visited_saveables=set(visited_saveables or ()))
-            finally:
-                _loading.checking = False
-        return original_load_state(saveable, weights_store, assets_store, inner_path,
-                                   skip_mismatch, visited_saveables, failed_saveables, error_msgs)
-
-    @functools.wraps(original_variable_assign)
-    def checked_assign(self, value):
-        if _loading.checking:
-            kerasps_variables.check_shape(self, np.shape(value))
-            return value
-        return original_variable_assign(self, value)
-
-    saving_lib._load_state = load_state
-    KerasTFVariable.assign = checked_assign
-
-    # `get_weights()` / `set_weights()` use whole variables too, so weights move
-    # between sharded and single-process models.
-    original_get_weights, original_set_weights = Layer.get_weights, Layer.set_weights
-
-    def _whole_weights(layer):
-        weights = layer.weights
-        if any(hasattr(v, "_kerasps_container") for v in weights):
-            return kerasps_variables.logical_variables(weights)
-        return None
-
-    @functools.wraps(original_get_weights)
-    def get_weights(self):
-        variables = _whole_weights(self)
-        if variables is None:
-            return original_get_weights(self)
-        return [variable.numpy() for variable in variables]
-
-    @functools.wraps(original_set_weights)
-    def set_weights(self, weights):
-        variables = _whole_weights(self)
-        if variables is None:
-            return original_set_weights(self, weights)
-        if len(variables) != len(weights):
-            raise ValueError(
-                f"You called `set_weights(weights)` on layer '{self.name}' with a weight "
-                f"list of length {len(weights)}, but the layer was expecting "
-                f"{len(variables)} weights (whole variables, not shards).")
-        for variable, value in zip(variables, weights):  # check all, then assign
-            if tuple(variable.shape) != np.shape(value):
-                raise ValueError(
-                    f"Layer {self.name} weight {variable.path!r} has shape "
-                    f"{tuple(variable.shape)}, not compatible with provided weight shape "
-                    f"{np.shape(value)}.")
-        for variable, value in zip(variables, weights):
-            variable.assign(value)
-
-    Layer.get_weights = get_weights
-    Layer.set_weights = set_weights
-
-    # `model.export()` of a kerasps model exports a single-process copy with the
-    # same weights: the artifact holds whole variables and loads anywhere.
-    original_export = Model.export
-
-    @functools.wraps(original_export)
-    def export(self, filepath, *args, **kwargs):
-        if not kerasps_trainer.uses_kerasps(self):
-            return original_export(self, filepath, *args, **kwargs)
-        if kerasps_variables.kerasps_strategy() is not None:
-            raise RuntimeError(
-                f"Call `model.export({str(filepath)!r})` outside `strategy.scope()`: the "
-                "exported model is a single-process copy, built outside any strategy.")
-        copy = clone_model(self)
-        copy.set_weights(self.get_weights())
-        return original_export(copy, filepath, *args, **kwargs)
-
-    Model.export = export
-
-    # Optimizer scalars ---------------------------------------------------------
-    # `iterations` and the learning rate share a ps task: every update reads
-    # both, and `_step_scalars_sent_once` sends them together from there.
-    original_optimizer_init = tf_optimizer.TFOptimizer.__init__
-
-    @functools.wraps(original_optimizer_init)
-    def optimizer_init(self, *args, **kwargs):
-        with kerasps_variables.on_ps_task():
-            original_optimizer_init(self, *args, **kwargs)
-
-    tf_optimizer.TFOptimizer.__init__ = optimizer_init
-
-    # Optimizer slots -----------------------------------------------------------
-    original_from_reference = tf_optimizer.TFOptimizer.add_variable_from_reference
-
-    def _filled_slots(args, kwargs):
-        # A constant slot (Adagrad's accumulators) of a shard made by one fill.
-        if len(args) >= 2:
-            args = (args[0], _Filled.of(args[1]), *args[2:])
-        elif "initializer" in kwargs:
-            kwargs = dict(kwargs, initializer=_Filled.of(kwargs["initializer"]))
-        return args, kwargs
-
-    @functools.wraps(original_from_reference)
-    def add_variable_from_reference(self, reference_variable, *args, **kwargs):
-        if hasattr(reference_variable, "_kerasps_container") and any(
-                getattr(trackable, "_deferred_dependencies", None)
-                for trackable in (self, self._variables)):
-            # TensorFlow would restore whole slots into the slots of shards.
-            raise ValueError(
-                f"Optimizer '{self.name}' is being built after a `tf.train.Checkpoint` "
-                "restore reached it, and its slots for sharded variable "
-                f"{reference_variable._kerasps_container.path!r} cannot be restored "
-                "exactly that way. Build the optimizer before restoring: "
-                "`model.optimizer.build(model.trainable_variables)` under `strategy.scope()`.")
-        if hasattr(reference_variable, "_kerasps_container"):
-            args, kwargs = _filled_slots(args, kwargs)
-        with kerasps_variables.no_partitioning():
-            slot = original_from_reference(self, reference_variable, *args, **kwargs)
-        kerasps_variables.track_slot(self, reference_variable, slot)
-        return slot
-
-    tf_optimizer.TFOptimizer.add_variable_from_reference = add_variable_from_reference
-
-    # Sparse updates ------------------------------------------------------------
-    # A shard of a `ShardedVariable` whose gradient is a row update is updated
-    # on the rows of the batch (`kerasps.sparse`) where the strategy's
-    # `sparse_updates` mode allows it; everything else gets Keras' update.
-
-    original_update_step = tf_optimizer.TFOptimizer._distributed_tf_update_step
-    original_weight_decay = tf_optimizer.TFOptimizer._apply_weight_decay
-
-    def lazily_decayed(optimizer, variable):
-        # Lazy mode decays a table's shard with its update: its touched rows only.
-        return (sparse_mode(optimizer) == kerasps_sparse.LAZY
-                and optimizer.weight_decay is not None
-                and hasattr(variable, "_kerasps_container")
-                and optimizer._use_weight_decay(variable))
-
-    @functools.wraps(original_update_step)
-    def distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
-        mode = sparse_mode(self)
-        if mode is None:
-            return original_update_step(self, distribution, grads_and_vars, learning_rate)
-
-        def update(variable, received, unpack):
-            learning_rate = unpack()  # here: on the variable's ps task
-            gradient = received()
-            keras_variable = self._trainable_variables[self._get_variable_index(variable)]
-            decayed = lazily_decayed(self, keras_variable)
-            if not (hasattr(keras_variable, "_kerasps_container") and kerasps_sparse.update_rows(
-                    self, gradient, variable, learning_rate, mode, weight_decay=decayed)):
-                if decayed:
-                    kerasps_sparse.decay(self, variable)
-                self.update_step(gradient, variable, learning_rate)
-
-        grads_and_vars = list(grads_and_vars)
-        with _step_scalars_sent_once(self, learning_rate) as unpack:
-            for (_, variable), received in zip(grads_and_vars,
-                                               _gradients_sent_together(grads_and_vars)):
-                distribution.extended.update(
-                    variable, functools.partial(update, received=received, unpack=unpack),
-                    group=False)
-
-    @functools.wraps(original_weight_decay)
-    def apply_weight_decay(self, variables):
-        return original_weight_decay(
-            self, [v for v in variables if not lazily_decayed(self, v)])
-
-    tf_optimizer.TFOptimizer._distributed_tf_update_step = distributed_tf_update_step
-    tf_optimizer.TFOptimizer._apply_weight_decay = apply_weight_decay
-
-    # Row lookups ---------------------------------------------------------------
-    original_take = tf_numpy.take
-
-    @functools.wraps(original_take)
-    def take(x, indices, axis=None):
-        if isinstance(x, kerasps_variables.ShardedVariable) and axis in (0, -x.ndim):
-            return x.lookup(indices)
-        return original_take(x, indices, axis=axis)
-
-    tf_numpy.take = take
-
-    # Training loops ------------------------------------------------------------
-    for name in ("fit", "evaluate", "predict",
-                 "train_on_batch", "test_on_batch", "predict_on_batch"):
-        original = getattr(TensorFlowTrainer, name)
-        replacement = getattr(kerasps_trainer, name)
-
-        def dispatch(self, *args, __original=original, __replacement=replacement, **kwargs):
-            if kerasps_trainer.uses_kerasps(self):
-                with self.distribute_strategy.scope():
-                    return __replacement(self, *args, **kwargs)
-            _build_optimizer_for_tables(self)
-            return __original(self, *args, **kwargs)
-
-        functools.update_wrapper(dispatch, original)
-        setattr(TensorFlowTrainer, name, dispatch)
+def uninstall():
+    """Puts Keras back as it was before `install`: every attribute a seam replaced is
+    the very object it was (`is`), and one the target did not have is deleted.
+
+    Models and variables made while kerasps was installed keep what they are (a
+    `ShardedVariable` stays one), but Keras no longer runs kerasps' code for them;
+    `install` (a new strategy) puts the seams back. Does nothing when not installed.
+    """
+    global _installed
+    if not _installed:
+        return
+    _put_back(SEAMS)
+    _installed = False

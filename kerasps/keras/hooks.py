@@ -12,3 +12,10 @@ from kerasps.params import sparse, variables
 def install():
     """Installs the Keras hooks (idempotent)."""
     _keras.install(trainer=trainer, variables=variables, sparse=sparse)
+
+
+def uninstall():
+    """Puts Keras back exactly as it was before `install` (`_keras.uninstall`): every
+    attribute a hook replaced is Keras' own object again. A new strategy installs the
+    hooks again."""
+    _keras.uninstall()

@@ -56,7 +56,8 @@ def parser() -> argparse.ArgumentParser:
         "demo", help="train a small recommendation model on an in-process cluster",
         description="Trains a recommendation-style model (sharded user embedding + MLP) on "
                     "synthetic clicks with an in-process cluster, printing progress, the "
-                    "placement table and the final metrics.")
+                    "placement table and the final metrics. TensorFlow's own lines are not "
+                    "shown; KERASPS_TF_LOGS=1 shows them.")
     demo.add_argument("--workers", type=_int_option("--workers", 1), default=2,
                       help="worker tasks (default 2)")
     demo.add_argument("--ps", type=_int_option("--ps", 1), default=2, help="ps tasks (default 2)")
@@ -102,9 +103,10 @@ def parser() -> argparse.ArgumentParser:
                         help="also run the program as task `evaluator 0` for side-car evaluation "
                              "(kerasps.SidecarEvaluator)")
     launch.add_argument("--tf-logs", action="store_true",
-                        help="keep TensorFlow's start-up lines (absl warnings, CUDA and "
-                             "oneDNN notices) in the tasks' output, and leave "
-                             "TF_CPP_MIN_LOG_LEVEL as it is; by default they are dropped")
+                        help="keep TensorFlow's lines (start-up notices, CUDA and oneDNN, "
+                             "its C++ log) in the tasks' output, as KERASPS_TF_LOGS=1 does: "
+                             "the tasks run with KERASPS_TF_LOGS=1 and TF_CPP_MIN_LOG_LEVEL "
+                             "as it is; by default they are dropped")
     launch.add_argument("--emit", choices=["k8s"], default=None,
                         help="write Kubernetes manifests for the job, run nothing: a JobSet "
                              "(NAME.jobset.yaml) and a Kubeflow v1 TFJob (NAME.tfjob.yaml); the "
@@ -168,6 +170,7 @@ def _program(args, parser) -> tuple:
 
 
 def _launch(args, parser) -> int:
+    from kerasps.backend import tf_logs
     from kerasps.ops import launch
 
     program = _program(args, parser)
@@ -189,7 +192,7 @@ def _launch(args, parser) -> int:
                          .replace(f"Received: program={spec.program[:2]!r}",
                                   f"Received: -m={module!r}"))
             parser.error(str(error))
-        return launch.Launcher(spec, tf_logs=args.tf_logs).run()
+        return launch.Launcher(spec, tf_logs=args.tf_logs or tf_logs.wanted()).run()
     from kerasps.ops import manifests
 
     module = launch.program_module(spec.program)
@@ -214,9 +217,9 @@ def _launch(args, parser) -> int:
 
 
 def main(argv=None) -> int:
+    # TensorFlow's log lines are kept from the user by `import kerasps` (this module's
+    # package): `kerasps.backend.tf_logs`; KERASPS_TF_LOGS=1 shows them.
     args = parser().parse_args(argv)
-    if args.command != "launch":  # the launcher sets it for its tasks, unless --tf-logs
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if args.command == "demo":
         from kerasps.ops import demo
 

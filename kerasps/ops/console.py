@@ -16,10 +16,15 @@ comes, as last drawn.
 Elsewhere (a file, a CI log) only complete lines are written: a progress bar's
 line is written once, as it was last drawn when its newline came.
 
+Colours and other escape sequences (Keras draws its bar in bold, green and grey
+whatever its output is) reach a terminal only: a file or a CI log gets plain
+text (`colors`).
+
 TensorFlow's start-up lines (absl's "All log messages before
 absl::InitializeLog()", "Could not find cuda drivers", "failed call to
 cuInit", the oneDNN and CPU-instruction notices, ...), printed by every task
-before its first useful line, are dropped unless `tf_logs`.
+before its first useful line, are dropped unless `tf_logs`
+(`kerasps.backend.tf_logs.is_start_up_noise`).
 
 Pure Python: importing this module does not import TensorFlow.
 """
@@ -31,28 +36,20 @@ import os
 import re
 import threading
 
-__all__ = ["Console", "Stream", "is_start_up_noise"]
+from kerasps.backend.tf_logs import is_start_up_noise
+
+__all__ = ["Console", "Stream", "is_start_up_noise", "plain"]
 
 _CLEAR_LINE = "\x1b[K"  # erase from the cursor to the end of the line
 _VISIBLE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]|.", re.DOTALL)  # an escape sequence, or a character
-
-# An absl/glog line (`I0000 00:00:1795612757.656668   20893 port.cc:153] ...`) from one of
-# the sources TensorFlow prints from at start-up.
-_START_UP_SOURCES = (
-    "port.cc", "cudart_stub.cc", "cuda_platform.cc", "cuda_executor.cc", "cuda_diagnostics.cc",
-    "cuda_dnn.cc", "cuda_fft.cc", "cuda_blas.cc", "computation_placer.cc",
-    "cpu_feature_guard.cc", "cpu_utils.cc", "gpu_device.cc", "dso_loader.cc")
-_START_UP_NOISE = re.compile(
-    r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to "
-    r"STDERR"
-    r"|[IWE]\d{4} [\d:.]+\s+\d+ (" + "|".join(map(re.escape, _START_UP_SOURCES)) + r"):\d+\]"
-    r"|To enable the following instructions: .* in other operations, rebuild TensorFlow"
-    r"|.*TF-TRT Warning: Could not find TensorRT)")
+# A terminal's escape sequence: CSI (colours, bold, cursor moves: `\x1b[1m`, `\x1b[32m`,
+# `\x1b[K`), OSC (a window title, a link: `\x1b]...\x07`) or a two-character one.
+_ESCAPE = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(\x07|\x1b\\)?|[@-Z\\-_])")
 
 
-def is_start_up_noise(line: str) -> bool:
-    """Whether `line` is one of TensorFlow's start-up lines that every task prints."""
-    return _START_UP_NOISE.match(line) is not None
+def plain(text: str) -> str:
+    """`text` without its escape sequences (colours, bold): what a file gets."""
+    return _ESCAPE.sub("", text)
 
 
 class Stream:
@@ -99,16 +96,19 @@ class Console:
         live: redraw unfinished lines (progress bars) in place; default: whether `out`
             is a terminal.
         tf_logs: keep TensorFlow's start-up lines.
+        colors: keep the tasks' colours and other escape sequences; default: whether
+            `out` is a terminal (elsewhere every line is plain text).
     """
 
-    def __init__(self, out, live: bool | None = None, tf_logs: bool = False):
+    def __init__(self, out, live: bool | None = None, tf_logs: bool = False,
+                 colors: bool | None = None):
         self._out = out
-        if live is None:
-            try:
-                live = out.isatty()
-            except (AttributeError, ValueError):
-                live = False
-        self.live = live
+        try:
+            terminal = out.isatty()
+        except (AttributeError, ValueError):
+            terminal = False
+        self.live = terminal if live is None else live
+        self.colors = terminal if colors is None else colors
         self.tf_logs = tf_logs
         # Reentrant: the launcher's signal handler writes from the main thread, which may be
         # writing already.
@@ -129,6 +129,8 @@ class Console:
         self._update(stream, label, stream.feed(b"", final=True))
 
     def _update(self, stream, label, completed):
+        if not self.colors:
+            completed = [plain(line) for line in completed]
         lines = [f"[{label}] {line}\n" for line in completed
                  if self.tf_logs or not is_start_up_noise(line)]
         with self._lock:
@@ -149,6 +151,8 @@ class Console:
         # a carriage return), else the most recent unfinished line.
         pending = sorted(self._unfinished.items(), key=lambda item: item[0].redrawn)
         new = (pending[-1][0], pending[-1][1], pending[-1][0].unfinished) if pending else None
+        if new is not None and not self.colors:
+            new = (*new[:2], plain(new[2]))
         old, out = self._status, []
         if lines:
             if old is not None:

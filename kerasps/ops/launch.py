@@ -7,13 +7,13 @@ starts the worker and ps tasks as `kerasps serve` processes and the chief as
 `python -m package.module ...`), each with its own `TF_CONFIG` on loopback ports, so the
 script is the one a platform that sets `TF_CONFIG` (Kubernetes TFJob and the
 like) would run. Output is prefixed with the task (`[worker 1] ...`) and read as it
-is written (`kerasps.console`: a live progress bar on a terminal, complete lines
-elsewhere, TensorFlow's start-up lines dropped unless `tf_logs`); each task's
-process is named for `ps` (`kerasps: worker 1`). The program is checked before
-anything starts. The agent watches every process: a task that fails (a signal, or a non-zero exit
-status) is started again on the same address while its restart budget lasts
-(`kerasps.restarts` holds that policy). That includes the chief, as torchrun
-restarts a failed process group and Kubernetes a failed pod: the new chief
+is written (`kerasps.ops.console`: a live progress bar and colours on a terminal,
+complete lines of plain text elsewhere, TensorFlow's start-up lines dropped unless
+`tf_logs`); each task's process is named for `ps` (`kerasps: worker 1`). The program
+is checked before anything starts. The agent watches every process: a task that fails
+(a signal, or a non-zero exit status) is started again on the same address while its
+restart budget lasts (`kerasps.policy.restarts` holds that policy). That includes the
+chief, as torchrun restarts a failed process group and Kubernetes a failed pod: the new chief
 connects to the servers that kept running, and a `fit` with
 `keras.callbacks.BackupAndRestore` resumes from its latest backup, inside the
 epoch. The chief's exit with status 0, Ctrl-C or SIGTERM ends every process:
@@ -21,7 +21,7 @@ after Ctrl-C (or SIGTERM) the chief and the evaluator get the signal first, whil
 the servers still run, and everything is gone within `INTERRUPT_GRACE +
 STOP_GRACE` (2 s); a second Ctrl-C kills every task at once.
 A restarted (or rejoining) task starts in a warm standby interpreter that has
-already imported TensorFlow and Keras (`kerasps.standby`): the agent keeps one
+already imported TensorFlow and Keras (`kerasps.ops.standby`): the agent keeps one
 beside the job and starts the next after each restart, so a restart no longer
 waits seconds for an import.
 
@@ -75,6 +75,7 @@ import tempfile
 import threading
 import time
 
+from kerasps.backend import tf_logs as tf_logs_lib
 from kerasps.ops import console as console_lib
 from kerasps.ops.launch_spec import (
     _CONNECTED_FILE,
@@ -94,7 +95,7 @@ from kerasps.ops.launch_spec import (
 )
 from kerasps.policy import restarts as restarts_lib
 from kerasps.runtime.launch_env import (
-    CONNECTED_ENV,  # noqa: F401 - kerasps.launch.CONNECTED_ENV, as before the split
+    CONNECTED_ENV,  # noqa: F401 - kerasps.ops.launch.CONNECTED_ENV, as before the split
     MIN_WORKERS_ENV,
     REPORT_ENV,
     TASK_ENV,
@@ -156,24 +157,28 @@ class Launcher:
     Args:
         spec: what to run.
         out: where the tasks' prefixed output and the launcher's messages go
-            (`kerasps.console.Console`: progress bars redrawn in place on a terminal,
+            (`kerasps.ops.console.Console`: progress bars redrawn in place on a terminal,
             complete lines only elsewhere).
         env: the environment the tasks start from (default `os.environ`).
         pick_port: returns a free port (default `portpicker.pick_unused_port`).
-        tf_logs: keep TensorFlow's start-up lines in the tasks' output (by default they
-            are dropped, and `TF_CPP_MIN_LOG_LEVEL` is 2 unless `env` sets it).
+        tf_logs: TensorFlow's lines as TensorFlow prints them: its start-up lines kept in
+            the tasks' output, and the tasks run with `KERASPS_TF_LOGS=1`. By default the
+            start-up lines are dropped and `TF_CPP_MIN_LOG_LEVEL` is 3 unless `env` sets
+            it (`kerasps.backend.tf_logs`).
         live: redraw progress bars in place; default: whether `out` is a terminal.
+        colors: keep the tasks' colours (Keras' bar); default: whether `out` is a
+            terminal (a file or a CI log gets plain text).
     """
 
     def __init__(self, spec: LaunchSpec, out=None, env=None, pick_port=None,
-                 tf_logs: bool = False, live: bool | None = None):
+                 tf_logs: bool = False, live: bool | None = None, colors: bool | None = None):
         self.spec = spec
         self.policy = restarts_lib.RestartPolicy(spec.max_restarts)
         self.cluster = make_cluster(spec, pick_port)
-        self._console = console_lib.Console(out or sys.stdout, live=live, tf_logs=tf_logs)
-        self._base_env = dict(os.environ if env is None else env)
-        if not tf_logs:
-            self._base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        self._console = console_lib.Console(out or sys.stdout, live=live, tf_logs=tf_logs,
+                                            colors=colors)
+        self._base_env = tf_logs_lib.launched_environment(
+            os.environ if env is None else env, tf_logs)
         self._stop = threading.Event()
         self._stop_reason = None
         self._stop_signal = None  # the signal that stopped the job
@@ -229,9 +234,9 @@ class Launcher:
 
     def _start_standby(self):
         """Starts an interpreter that imports TensorFlow and Keras, then waits for a task
-        (`kerasps.standby`)."""
+        (`kerasps.ops.standby`)."""
         self._standby = _Process(Task(_STANDBY, 0))
-        self._spawn(self._standby, [sys.executable, "-m", "kerasps.standby"],
+        self._spawn(self._standby, [sys.executable, "-m", "kerasps.ops.standby"],
                     dict(self._base_env, PYTHONUNBUFFERED="1", **{TASK_ENV: _STANDBY}),
                     stdin=subprocess.PIPE)
 

@@ -3,7 +3,7 @@ imported, waiting to become a task that must start again.
 
 A new Python process spends seconds importing TensorFlow before a restarted
 task can serve or train, and on a small machine that is most of the time a
-task is away. The launcher keeps one standby (`python -m kerasps.standby`)
+task is away. The launcher keeps one standby (`python -m kerasps.ops.standby`)
 beside the job. To restart a task it writes the task's command and environment
 to the standby's stdin (one JSON line, `{"argv": [...], "env": {...}}`); the
 standby takes that environment as its own and runs the task as its command

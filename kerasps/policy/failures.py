@@ -35,8 +35,8 @@ class PsTaskFailedError(RuntimeError):
         ps_task: the index of the ps task.
     """
 
-    # Named in tracebacks as programs import it (`kerasps.failures.PsTaskFailedError`).
-    __module__ = "kerasps.failures"
+    # Named in tracebacks as programs import it (`kerasps.PsTaskFailedError`).
+    __module__ = "kerasps"
 
     def __init__(self, ps_task: int, method: str, reason: str | None = None):
         self.ps_task = ps_task

@@ -11,7 +11,7 @@ again when it answers); this module decides what the job makes of the pool:
 * below `min_workers` the job holds training, and `Membership.check` raises
   `TooFewWorkersError` once it has been below for `timeout` seconds.
 
-Pure Python (no TensorFlow): `kerasps.trainer.elastic` polls the real
+Pure Python (no TensorFlow): `kerasps.keras.trainer.elastic` polls the real
 cluster with it, and `simulator` can replay the same decisions.
 """
 

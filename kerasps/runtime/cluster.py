@@ -1,11 +1,18 @@
 """Cluster resolution: in-process clusters for tests and demos, `TF_CONFIG` for real ones.
 
-Both functions return a `tf.distribute.cluster_resolver.ClusterResolver` that
+Each function returns a `tf.distribute.cluster_resolver.ClusterResolver` that
 `kerasps.ParameterServerStrategy` accepts. kerasps adds no RPC layer: the
 workers and ps tasks are TensorFlow's own `tf.distribute.Server`s.
 
     resolver = kerasps.cluster.in_process(num_workers=2, num_ps=2)
     resolver = kerasps.cluster.from_tf_config()   # reads $TF_CONFIG
+    resolver = kerasps.cluster.resolve(num_workers=2, num_ps=2)  # either, by $TF_CONFIG
+
+`resolve` lets one script run everywhere: `python train.py` trains on an in-process
+cluster, `kerasps launch --workers 4 --ps 2 train.py` and Kubernetes on theirs.
+`in_process` in a process whose `TF_CONFIG` names a cluster (the chief of a
+`kerasps launch` job) warns: it would train on a cluster of its own while the job's
+servers sit idle.
 
 `TF_CONFIG` is the JSON document that Kubernetes TFJob and similar launchers
 set on every task:
@@ -29,6 +36,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import warnings
 
 from kerasps.policy._validation import positive_int
 from kerasps.runtime import launch_env
@@ -36,6 +44,7 @@ from kerasps.runtime import launch_env
 __all__ = [
     "in_process",
     "from_tf_config",
+    "resolve",
     "tf_config_from_jobset",
     "JOBSET_ENV",
     "JOBSET_REPLICAS_ENV",
@@ -184,6 +193,12 @@ def in_process(num_workers: int = 2, num_ps: int = 2):
     on a cluster another strategy used takes the cluster over, as when both
     share one resolver.
 
+    In a process whose `TF_CONFIG` names a cluster (the chief of a `kerasps launch`
+    job, a Kubernetes TFJob's pod, a JobSet's pod), it warns (a `UserWarning`) and
+    starts its cluster all the same: the program would train on it while the job's
+    workers and ps tasks sit idle. Use `from_tf_config()` there, or `resolve()`
+    everywhere.
+
     Args:
         num_workers: number of worker tasks, at least 1.
         num_ps: number of ps tasks, at least 1.
@@ -193,6 +208,8 @@ def in_process(num_workers: int = 2, num_ps: int = 2):
     """
     positive_int("num_workers", num_workers)
     positive_int("num_ps", num_ps)
+    if _tf_config_is_set():
+        warnings.warn(_in_process_in_a_job(num_workers, num_ps), UserWarning, stacklevel=2)
     import portpicker
     import tensorflow as tf
 
@@ -211,6 +228,39 @@ def in_process(num_workers: int = 2, num_ps: int = 2):
                     start_server(spec, task_type, i, num_workers, num_workers + num_ps)
             _IN_PROCESS[(num_workers, num_ps)] = spec
     return tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc")
+
+
+def _tf_config_is_set() -> bool:
+    """Whether this process has a `TF_CONFIG`, or is a JobSet's pod (which builds one)."""
+    return bool(os.environ.get("TF_CONFIG") or os.environ.get("KERASPS_JOBSET_NAME"))
+
+
+def _in_process_in_a_job(num_workers: int, num_ps: int) -> str:
+    """What `in_process` says in a process whose `TF_CONFIG` names a cluster."""
+    try:
+        parsed = _read_tf_config(None)
+    except ValueError:
+        parsed = None
+    counts = ""
+    if parsed is not None:
+        cluster = parsed["training_cluster"]
+        counts = (f"{len(cluster.get('worker', []))} workers, "
+                  f"{len(cluster.get('ps', []))} ps tasks")
+    task = launch_env.launched_task()
+    if task is not None:
+        where = (f"{task} of a `kerasps launch` job"
+                 + (f" (TF_CONFIG: {counts})" if counts else ""))
+    elif parsed is not None and parsed["task_type"] is not None:
+        where = (f"a process whose TF_CONFIG names a cluster (task {parsed['task_type']} "
+                 f"{parsed['task_index']}; {counts})")
+    else:
+        where = "a process whose TF_CONFIG names a cluster"
+    return (f"kerasps.cluster.in_process() was called in {where}: it starts "
+            f"{num_workers} worker(s) and {num_ps} ps task(s) of its own in this process, "
+            "and the strategy trains there while the job's workers and ps tasks sit idle. "
+            "Use kerasps.cluster.from_tf_config() to train on the job's cluster, or "
+            f"kerasps.cluster.resolve(num_workers={num_workers}, num_ps={num_ps}), which "
+            "reads TF_CONFIG where it is set and starts an in-process cluster elsewhere.")
 
 
 def parse_tf_config(text: str) -> dict:
@@ -440,6 +490,40 @@ def from_tf_config(tf_config: str | None = None):
         task_id=parsed["task_index"],
         rpc_layer="grpc",
     )
+
+
+def resolve(num_workers: int = 2, num_ps: int = 2):
+    """Returns the resolver of the cluster this program trains on, wherever it runs:
+    `from_tf_config()` where `TF_CONFIG` is set (`kerasps launch`, a Kubernetes TFJob,
+    a JobSet's pod), `in_process(num_workers, num_ps)` elsewhere.
+
+    One script then runs as it is on a laptop and on a cluster, as a PyTorch script's
+    `init_process_group()` reads what torchrun sets:
+
+        strategy = kerasps.ParameterServerStrategy(
+            kerasps.cluster.resolve(num_workers=2, num_ps=2))
+
+    `python train.py` trains on 2 workers and 2 ps tasks in its own process;
+    `kerasps launch --workers 4 --ps 2 train.py` on the 4 workers and 2 ps tasks the
+    launcher started: where `TF_CONFIG` is set, it decides the cluster, and the counts
+    given here are not used.
+
+    Args:
+        num_workers: worker tasks of the in-process cluster, at least 1.
+        num_ps: ps tasks of the in-process cluster, at least 1.
+
+    Returns:
+        A `tf.distribute.cluster_resolver.SimpleClusterResolver`, as `from_tf_config` or
+        `in_process` returns it.
+
+    Raises:
+        ValueError: if a count is not a positive integer, or `TF_CONFIG` is malformed.
+    """
+    positive_int("num_workers", num_workers)
+    positive_int("num_ps", num_ps)
+    if _tf_config_is_set():
+        return from_tf_config()
+    return in_process(num_workers, num_ps)
 
 
 def task_type(tf_config: str | None = None) -> str | None:

@@ -82,7 +82,7 @@ class ClusterCoordinator:
         self._phase = ("train", 1)
         self._labels = {}  # id(remote value) -> (remote value, fields of its StepEvent)
         self._sync_steps = {}  # (fn, optimizer) -> the strategy's `_sync_steps`
-        # Per-worker pipelines of `DatasetCreator`s, built once (see kerasps.trainer).
+        # Per-worker pipelines of `DatasetCreator`s, built once (see kerasps.keras.trainer).
         self._dataset_cache = weakref.WeakKeyDictionary()
         strategy._kerasps_coordinator = self
 

@@ -1,7 +1,7 @@
 """What a process started by `kerasps launch` shares with the launcher: the environment
 variables the launcher sets, and the helpers that read them inside the tasks.
 
-`kerasps.cluster` (the chief's SIGTERM handler, process titles), the strategy (the
+`kerasps.runtime.cluster` (the chief's SIGTERM handler, process titles), the strategy (the
 elastic pool's `min_workers`, `report_connected`) and the sidecar evaluator (training
 finished) read them; the launcher itself (`kerasps.ops.launch`) sets them. Split
 from the launcher so that those modules, below it, need not import the supervisor.
@@ -68,6 +68,12 @@ def report_connected():
     path = os.environ.get(CONNECTED_ENV)
     if path:
         _write_atomically(path, "connected\n")
+
+
+def launched_task() -> str | None:
+    """The task this process runs in a `kerasps launch` job (`"chief 0"`), or `None`
+    outside one."""
+    return os.environ.get(TASK_ENV) or None
 
 
 # -- in the tasks: process titles -------------------------------------------------------------

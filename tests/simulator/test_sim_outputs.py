@@ -11,10 +11,10 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 import simulator  # noqa: E402
-# The module simulator/ps.py plans with: its `plan` is patched below.
-from kerasps import placement as kerasps_placement  # noqa: E402
+from kerasps.policy import placement as kerasps_placement  # noqa: E402
 from kerasps.policy.partitioners import MinSizePartitioner  # noqa: E402
 from simulator import plots  # noqa: E402
+from simulator import ps as simulator_ps  # noqa: E402
 from simulator.perfetto import trace_events  # noqa: E402
 
 from .builders import make  # noqa: E402
@@ -38,9 +38,12 @@ def test_ps_bytes_come_from_kerasps_placement():
 
 
 def test_simulator_reuses_not_copies_the_placement_code(monkeypatch):
+    assert simulator_ps.placement_lib.plan is kerasps_placement.plan
     calls = []
     real_plan = kerasps_placement.plan
-    monkeypatch.setattr(kerasps_placement, "plan",
+    # Patched in the module the simulator calls it from (kerasps' placement module, by
+    # whichever of its names the simulator imports).
+    monkeypatch.setattr(simulator_ps.placement_lib, "plan",
                         lambda *a, **k: calls.append(a) or real_plan(*a, **k))
     simulator.run(make(2, training={"steps": 10}, model={"variables": VARIABLES}))
     assert len(calls) == 1

@@ -7,14 +7,14 @@
 
 import importlib
 
-_LAZY = {"DynamicEmbedding": "kerasps.layers.dynamic_embedding"}
+_LAZY = {"DynamicEmbedding": "kerasps.keras.layers.dynamic_embedding"}
 
 __all__ = sorted(_LAZY)
 
 
 def __getattr__(name):
     if name not in _LAZY:
-        raise AttributeError(f"module 'kerasps.layers' has no attribute {name!r}")
+        raise AttributeError(f"module 'kerasps.keras.layers' has no attribute {name!r}")
     value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value

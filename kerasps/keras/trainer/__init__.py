@@ -11,7 +11,7 @@ Keras' own TensorFlow trainer runs each step with `strategy.run` on the
 coordinator; under parameter-server training steps must instead be scheduled
 on the workers. These functions replace `fit`, `evaluate`, `predict` and the
 `*_on_batch` methods for models whose strategy is a
-`kerasps.ParameterServerStrategy` (the dispatch lives in `kerasps._keras`);
+`kerasps.ParameterServerStrategy` (the dispatch lives in `kerasps.backend._keras`);
 every other model keeps Keras' code.
 
 How a `fit` runs:

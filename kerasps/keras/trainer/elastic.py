@@ -1,6 +1,6 @@
 """Watching the worker pool during `fit`: membership changes, and holding below `min_workers`.
 
-A thread polls every declared worker (`kerasps._tf.task_alive`: a TCP connection
+A thread polls every declared worker (`kerasps.backend._tf.task_alive`: a TCP connection
 to its port, which never touches the eager context that TensorFlow's failure
 handler reconnects meanwhile) and feeds `kerasps.membership.Membership`; `fit` logs each change
 ("worker 2 joined: 3 of 4 workers running"), records the running count per

@@ -23,7 +23,7 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
     `steps`), each once, in input order. A `kerasps.DatasetCreator` is read as
     one pipeline, as tf_keras' `predict` read it: its `dataset_fn` is called
     once, with `InputContext(num_input_pipelines=1, input_pipeline_id=0)`,
-    whether or not it shards by its context; see `kerasps.trainer`.
+    whether or not it shards by its context; see `kerasps.keras.trainer`.
     """
     check_model(model, "predict")
     from kerasps.runtime.coordinator import ClusterCoordinator

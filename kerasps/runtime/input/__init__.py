@@ -8,7 +8,7 @@ worker), so `dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)`
 really splits the data.
 
 `model.fit`, `evaluate` and `predict` also accept a `tf.data.Dataset` or
-arrays; they are converted as documented in `kerasps.trainer`.
+arrays; they are converted as documented in `kerasps.keras.trainer`.
 
 `InputOptions` chooses how the data is split among the workers: each worker
 reading its shard (`shard_policy`, TensorFlow's auto-shard policies), or
