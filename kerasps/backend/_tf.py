@@ -425,10 +425,19 @@ def trace_for_workers(strategy, function, args):
     thread; returns the concrete function."""
     specs = nest.map_structure(cluster_coordinator._maybe_as_type_spec,
                                cluster_coordinator._select_worker_slice(0, args))
+    with _scheduling(strategy):
+        return function.get_concrete_function(*specs)
+
+
+@contextlib.contextmanager
+def _scheduling(strategy):
+    """Inside the strategy's scope, marked as scheduling a function (as TensorFlow's
+    `ClusterCoordinator.schedule` does while it traces one): the strategy's methods
+    then do not warn that they run on the coordinator."""
     with strategy.scope():
         strategy.extended._being_scheduled = True
         try:
-            return function.get_concrete_function(*specs)
+            yield
         finally:
             strategy.extended._being_scheduled = False
 
@@ -451,13 +460,9 @@ def schedule_on(tf_coordinator, worker_index, fn, args):
         _pinned_installed = True
     strategy, cluster = tf_coordinator.strategy, tf_coordinator._cluster
     closures = cluster.closure_queue
-    with strategy.scope():
-        strategy.extended._being_scheduled = True
-        try:
-            closure = cluster_coordinator.Closure(fn, closures._cancellation_mgr, args=args)
-            remote = closure.build_output_remote_value()
-        finally:
-            strategy.extended._being_scheduled = False
+    with _scheduling(strategy):
+        closure = cluster_coordinator.Closure(fn, closures._cancellation_mgr, args=args)
+        remote = closure.build_output_remote_value()
     with closures._queue_lock:
         closures._raise_if_error()
         closure.tag = None

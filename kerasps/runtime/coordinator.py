@@ -167,6 +167,13 @@ class ClusterCoordinator:
         """
         return [i for i in range(self.num_workers) if _tf.task_alive("worker", i)]
 
+    def silent_workers(self) -> str:
+        """The declared workers that do not answer now, as device names for a message
+        (`"none"` if every one answers)."""
+        running = self.running_workers()
+        return ", ".join(f"/job:worker/task:{i}" for i in range(self.num_workers)
+                         if i not in running) or "none"
+
     def done(self) -> bool:
         """True if every scheduled function has finished; raises the first error."""
         return self._tf_coordinator.done()

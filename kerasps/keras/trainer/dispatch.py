@@ -99,9 +99,7 @@ class Window:
         if waited < STALL_REPORT_S * (self._reported + 1) and waited < self.timeout:
             return
         self._reported += 1
-        silent = [i for i in range(self.coordinator.num_workers)
-                  if not _tf.task_alive("worker", i)]
-        workers = ", ".join(f"/job:worker/task:{i}" for i in silent) or "none"
+        workers = self.coordinator.silent_workers()
         if waited >= self.timeout:
             raise TimeoutError(
                 f"No scheduled function has finished for {waited:.0f} s (`step_timeout` of "

@@ -186,8 +186,7 @@ def prepare(coordinator, model, iterator) -> bool:
         warm = step_functions(model).setdefault("warm_workers", set())
         runs = [(worker, coordinator.schedule_on(
                     worker, function, train_arguments(model, iterator, 0)))
-                for worker in range(coordinator.num_workers)
-                if worker not in warm and _tf.task_alive("worker", worker)]
+                for worker in coordinator.running_workers() if worker not in warm]
         for _, remote in runs:
             coordinator.untraced(remote)
         try:

@@ -279,10 +279,10 @@ class SyncSteps:
         self._collect(wait=False, deadline=None)
 
     def _time_out(self, step):
-        silent = [i for i in range(self.num_workers) if not _tf.task_alive("worker", i)]
+        silent = self.coordinator.silent_workers()
         raise TimeoutError(
             f"Synchronous step {step.version} has {len(step.kept)} of the {step.needed} "
             f"gradients it needs after waiting {self.timeout:g} s (`step_timeout` of the "
             "strategy). Workers that do not answer: "
-            f"{', '.join(f'/job:worker/task:{i}' for i in silent) or 'none (they are slow)'}. "
+            f"{silent if silent != 'none' else 'none (they are slow)'}. "
             "Restart them, or use `backup_workers` so that a step completes without them.")
