@@ -303,8 +303,8 @@ served = np.array_equal(layer(tf.constant(state[used, 0], tf.int64)).numpy(),
                         layer.rows.numpy()[used])
 stats = layer.table_stats()
 say("RESULT", {"iterations": int(model.optimizer.iterations.numpy()),
-               "reexecuted": sum(history.history["reexecuted_steps"]),
-               "rolled_back": sum(history.history["rolled_back_steps"]),
+               "reexecuted": sum(history.history.get("reexecuted_steps", [0])),
+               "rolled_back": sum(history.history.get("rolled_back_steps", [0])),
                "rows_used": len(used),
                "maps": sum(int(m.size().numpy()) for m in layer._table.maps()),
                "served": bool(served), "balance": stats["admitted"] - stats["evicted"] == len(used),

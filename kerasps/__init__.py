@@ -21,7 +21,9 @@ TensorFlow's log lines (its start-up notices, `failed call to cuInit` on a machi
 without a GPU, its servers' and sessions' INFO lines) do not reach the user: importing
 kerasps sets `TF_CPP_MIN_LOG_LEVEL=3` unless the environment sets it (a value the user
 set wins), and drops the lines TensorFlow prints as it is imported, after kerasps.
-`KERASPS_TF_LOGS=1` shows them all (`kerasps.backend.tf_logs`).
+`KERASPS_TF_LOGS=1` shows them all (`kerasps.backend.tf_logs`). In a task of a
+`kerasps launch` job, Ctrl-C (an uncaught `KeyboardInterrupt`) ends the process without a
+traceback (`kerasps.runtime.launch_env.quiet_interrupts`).
 
 The modules live in one folder per layer (see docs/architecture.md). The public
 modules with a short name (`kerasps.cluster`, `kerasps.launch` ...) are small files of
@@ -83,5 +85,7 @@ def __dir__():
 
 
 from kerasps.backend import tf_logs as _tf_logs  # noqa: E402
+from kerasps.runtime import launch_env as _launch_env  # noqa: E402
 
 _tf_logs.quiet()
+_launch_env.quiet_interrupts()  # under `kerasps launch`: Ctrl-C ends a task without a traceback

@@ -5,6 +5,9 @@ from kerasps.policy.consistency import (
     Mode,
     StalenessBound,
     SyncStep,
+    update_on_arrival,
+    updated_on_arrival,
 )
 
-__all__ = ["Mode", "Consistency", "StalenessBound", "SyncStep"]
+__all__ = ["Mode", "Consistency", "StalenessBound", "SyncStep", "updated_on_arrival",
+           "update_on_arrival"]

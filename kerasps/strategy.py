@@ -212,9 +212,14 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
             variables when it arrives. `"sync"`: each global step applies one
             update, the mean of the first `num_workers - backup_workers`
             gradients computed on the same variables (averaged on the ps
-            tasks); later ones are dropped. See `kerasps.consistency`.
-        backup_workers: sync only: gradients a step does not wait for, so
-            that the slowest workers do not set the pace (default 0).
+            tasks); later ones are dropped. `"hybrid"`: the row updates of
+            embedding tables are applied as each worker's gradient arrives (as
+            in async mode, a late worker's included), the dense variables'
+            gradients in global steps (as in sync mode); which variables update
+            on arrival can be set per layer with
+            `kerasps.consistency.update_on_arrival`. See `kerasps.consistency`.
+        backup_workers: sync and hybrid only: gradients a step does not wait
+            for, so that the slowest workers do not set the pace (default 0).
         max_staleness: async only: the most updates a gradient may be behind
             when applied; the coordinator holds back fast workers instead
             (stale synchronous parallel). `None` (default): unbounded.
@@ -322,7 +327,7 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
 
     @property
     def mode(self) -> str:
-        """`"async"` or `"sync"` (see `__init__`)."""
+        """`"async"`, `"sync"` or `"hybrid"` (see `__init__`)."""
         return self._consistency.mode.value
 
     @property

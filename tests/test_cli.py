@@ -1,10 +1,13 @@
 """The `kerasps` command line: the demo (the main job) and its bad inputs."""
 
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
+
+from tests.launched import RunningJob
 
 
 def kerasps_cli(*args, timeout=300, env=None):
@@ -38,6 +41,23 @@ def test_demo_prints_none_of_tensorflows_lines():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Final metrics" in result.stdout
     assert result.stderr == ""
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_demo_with_one_line_and_status_130():
+    """Ctrl-C printed a KeyboardInterrupt traceback through kerasps' trainer (issue 31)."""
+    demo = RunningJob([sys.executable, "-m", "kerasps.cli", "demo", "--workers", "1", "--ps",
+                       "1", "--epochs", "1000", "--steps-per-epoch", "2", "--verbose", "2"])
+    try:
+        demo.wait_for(r"^Epoch 3/1000$")  # inside `fit`
+        demo.process.send_signal(signal.SIGINT)
+        assert demo.finish() == 130, demo.output()
+    finally:
+        demo.close()
+    assert [line for line in demo.lines if "Ctrl-C" in line] == [
+        "kerasps demo: stopped (Ctrl-C)"], demo.output()
+    assert not [line for line in demo.lines if "Traceback" in line
+                or "KeyboardInterrupt" in line], demo.output()
 
 
 def test_demo_with_greedy_placement_and_three_workers():

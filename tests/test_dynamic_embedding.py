@@ -841,8 +841,8 @@ TABLE_RECOVERY_CHIEF = """
     history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=4, steps_per_epoch=50,
                         verbose=0, callbacks=[progress, backup])
     say("iterations", int(model.optimizer.iterations.numpy()))
-    say("reexecuted", sum(history.history["reexecuted_steps"]))
-    say("rolled back", sum(history.history["rolled_back_steps"]))
+    say("reexecuted", sum(history.history.get("reexecuted_steps", [0])))
+    say("rolled back", sum(history.history.get("rolled_back_steps", [0])))
     state = layer.state.numpy()
     used = np.flatnonzero(state[:, tables.LAST_SEEN] >= 0)
     keys = state[used, tables.KEY]

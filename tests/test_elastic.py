@@ -52,7 +52,7 @@ ELASTIC_CHIEF = """
                         verbose=0, callbacks=[keras.callbacks.LambdaCallback(
                             on_train_batch_end=on_batch)])
     print("iterations", int(model.optimizer.iterations.numpy()),
-          "reexecuted", sum(history.history["reexecuted_steps"]), flush=True)
+          "reexecuted", sum(history.history.get("reexecuted_steps", [0])), flush=True)
     print("workers per epoch", history.history["workers"], flush=True)
 """
 

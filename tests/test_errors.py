@@ -9,7 +9,9 @@ functions queued behind it are cancelled (their `fetch()` raises
 `CancelledError`); and the coordinator works again afterwards.
 """
 
+import os
 import time
+import traceback
 
 import keras
 import numpy as np
@@ -251,3 +253,78 @@ def test_an_error_in_an_on_batch_step_is_raised_once_and_the_next_call_works(str
         pytest.fail(f"the next call raised the failed call's error again: {again.message[:80]}",
                     pytrace=False)
     assert model.predict(good, verbose=0).shape == (1, 1)
+
+
+# -- tracebacks ---------------------------------------------------------------------------
+KERASPS = os.path.dirname(os.path.abspath(kerasps.__file__)) + os.sep
+
+
+class Stop(keras.callbacks.Callback):
+    """Raises `error` at the end of the 3rd batch (Ctrl-C, or the user's own error)."""
+
+    def __init__(self, error):
+        super().__init__()
+        self.error = error
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            raise self.error
+
+    on_test_batch_end = on_predict_batch_end = on_train_batch_end
+
+
+def frames(error) -> list:
+    """`(file, function)` of each frame of `error`'s traceback, outermost first."""
+    return [(frame.f_code.co_filename, frame.f_code.co_name)
+            for frame, _ in traceback.walk_tb(error.__traceback__)]
+
+
+def interrupted(model, method, error):
+    """The exception that leaves `model.<method>(...)` when a callback raises `error`."""
+    ids = np.arange(64, dtype="int32").reshape(32, 2) % 20
+    calls = {
+        "fit": lambda: model.fit(records(), epochs=1, steps_per_epoch=10, verbose=0,
+                                 callbacks=[Stop(error)]),
+        "evaluate": lambda: model.evaluate(ids, np.zeros((32, 1), "float32"), batch_size=4,
+                                           verbose=0, callbacks=[Stop(error)]),
+        "predict": lambda: model.predict(ids, batch_size=4, verbose=0, callbacks=[Stop(error)]),
+    }
+    with pytest.raises(type(error)) as info:
+        calls[method]()
+    return info.value
+
+
+@pytest.mark.parametrize("method, error", [("fit", KeyboardInterrupt()),
+                                           ("evaluate", ValueError("refused")),
+                                           ("predict", KeyboardInterrupt())])
+def test_an_exception_out_of_fit_shows_the_users_frames_and_none_of_kerasps(strategy, method,
+                                                                          error):
+    """Ctrl-C in `fit` printed 20 lines of kerasps' trainer (recovery, dispatch, `_tf`);
+    as Keras filters its own frames, the user sees the call and their callback."""
+    raised = interrupted(make_model(strategy), method, error)
+    assert raised is error
+    assert [function for _, function in frames(raised)] == [
+        "interrupted", "<lambda>", "on_train_batch_end"], frames(raised)  # the call, the callback
+    assert not [file for file, _ in frames(raised) if file.startswith(KERASPS)]
+
+
+def test_an_error_raised_inside_kerasps_shows_only_the_users_call(strategy):
+    model = make_model(strategy)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="corrupt record") as info:
+        model.fit(records(bad_from=20), epochs=1, steps_per_epoch=30, verbose=0)
+    assert frames(info.value) == [
+        (__file__, "test_an_error_raised_inside_kerasps_shows_only_the_users_call")]
+
+
+def test_keras_traceback_filtering_decides_whether_kerasps_frames_are_shown(strategy):
+    model = make_model(strategy)
+    filtered = interrupted(model, "fit", KeyboardInterrupt())
+    keras.config.disable_traceback_filtering()
+    try:
+        raw = interrupted(model, "fit", KeyboardInterrupt())
+    finally:
+        keras.config.enable_traceback_filtering()
+    assert not [file for file, _ in frames(filtered) if file.startswith(KERASPS)]
+    files = [file for file, _ in frames(raw)]
+    assert os.path.join(KERASPS, "keras", "trainer", "training.py") in files, files
+    assert frames(raw)[0] == frames(filtered)[0] and frames(raw)[-1] == frames(filtered)[-1]

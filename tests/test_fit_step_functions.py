@@ -183,7 +183,7 @@ def test_logs_come_back_as_one_tensor_with_the_values_keras_logs_hold(strategy):
     assert all(log["examples"] in (2.0 * BATCH, 3.0 * BATCH, 4.0 * BATCH)
                for log in callback.logs)
     for log in callback.logs:
-        assert set(log) == {"loss", "examples", "staleness", "dropped_gradients"}
+        assert set(log) == {"loss", "examples", "staleness"}  # async, two workers
         assert all(type(value) in (float, int) for value in log.values())
 
 

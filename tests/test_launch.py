@@ -280,6 +280,30 @@ def test_two_unfinished_lines_never_share_the_terminal_line():
     assert out.getvalue().endswith("[evaluator 0] 5/10\n")
 
 
+@pytest.mark.parametrize("live", [True, False])
+def test_once_stopped_the_console_writes_the_bar_as_last_drawn_then_its_line_and_no_bar_again(
+        live):
+    """Ctrl-C: one line says the job is being stopped, below the bar as it was; a redraw
+    that was on its way, or the bar left when the chief's output ends, is not shown."""
+    out = io.StringIO()
+    console = console_lib.Console(out, live=live)
+    bar, errors = console_lib.Stream(), console_lib.Stream()
+    console.feed(bar, "chief 0", BAR_1)
+    console.feed(errors, "chief 0", b"a line in two ")
+    console.feed(bar, "chief 0", BAR_2)
+    console.stop("launcher", "ending the job: received SIGINT (Ctrl-C)")
+    stopped = len(out.getvalue())
+    console.feed(bar, "chief 0", b"\x08" * 20 + b"\r3/3 \xe2\x94\x81 loss: 0.3")
+    console.feed(errors, "chief 0", b"parts\ninterrupted\n")
+    console.close(bar, "chief 0")
+    console.close(errors, "chief 0")
+    shown = screen(out.getvalue()) if live else out.getvalue().splitlines()
+    assert shown == ["[chief 0] a line in two ", "[chief 0] 2/3 ━━━ loss: 0.4",
+                     "[launcher] ending the job: received SIGINT (Ctrl-C)",
+                     "[chief 0] parts", "[chief 0] interrupted"]
+    assert "\r" not in out.getvalue()[stopped:] and "/3 " not in out.getvalue()[stopped:]
+
+
 def test_a_bar_ended_by_a_carriage_return_and_a_newline_keeps_its_last_state():
     stream = console_lib.Stream()
     assert stream.feed(b"\r1/2\r2/2\r\n") == ["2/2"]
@@ -552,8 +576,52 @@ def test_ctrl_c_stops_the_chief_first_and_everything_within_seconds(tmp_path):
     job.wait_for(r"^\[chief 0\] interrupted in fit$")  # while the servers still ran
     assert not [line for line in job.lines if "UnavailableError" in line or " left: " in line
                 or "SIGTERM" in line], job.output()
+    # The chief's KeyboardInterrupt, re-raised out of the program, ends it without a traceback.
+    assert not [line for line in job.lines if "Traceback" in line or "KeyboardInterrupt" in line
+                or "kerasps/" in line], job.output()
     # launch.INTERRUPT_GRACE + launch.STOP_GRACE at most (2 s), and the launcher's own exit
     assert took < 6, f"{took:.1f} s:\n{job.output()}"
+
+
+# A chief in a long `fit` that draws Keras' live progress bar.
+BAR_FIT_CHIEF = """
+    import keras, tensorflow as tf, kerasps
+
+    strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config())
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+
+    def dataset_fn(context):
+        x = tf.random.uniform((64, 4))
+        return tf.data.Dataset.from_tensor_slices((x, x[:, :1])).repeat().batch(8)
+
+    model.fit(kerasps.DatasetCreator(dataset_fn), epochs=1000, steps_per_epoch=10000)
+"""
+BAR = r"\[chief 0\] +\d+/10000 "  # Keras' bar, its step count right-aligned
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_terminal_says_one_line_and_shows_no_traceback_and_no_bar_after_it(tmp_path):
+    """Ctrl-C printed the chief's 20-line KeyboardInterrupt traceback through kerasps'
+    trainer, and the live bar was drawn again inside and after it (issue 31)."""
+    job = PtyJob(tmp_path, BAR_FIT_CHIEF, "--workers", "1")
+    try:
+        job.wait_for(BAR, timeout=DEADLINE)
+        job.process.send_signal(signal.SIGINT)
+        assert job.finish() == 130
+    finally:
+        if job.process.poll() is None:
+            job.process.kill()
+    raw, lines = job.raw, screen(job.raw)
+    stopping = [line for line in lines if line.startswith("[launcher] ending the job")]
+    assert stopping == ["[launcher] ending the job: received SIGINT (Ctrl-C); press Ctrl-C "
+                        "again to kill every task"], lines
+    assert "Traceback" not in raw and "KeyboardInterrupt" not in raw, lines
+    after = raw.split(stopping[0], 1)[1]
+    assert not re.search(BAR, after), lines  # neither redrawn live nor written as a line
+    bars = [line for line in lines if re.match(BAR, line)]
+    assert len(bars) == 1 and lines.index(bars[0]) < lines.index(stopping[0]), lines
 
 
 IGNORING_CHIEF = """
@@ -571,7 +639,7 @@ def test_a_second_ctrl_c_kills_every_task_at_once(tmp_path):
     try:
         job.wait_for(r"^\[chief 0\] ignoring signals$")
         job.process.send_signal(signal.SIGINT)
-        job.wait_for(r"^\[launcher\] ending the job: received SIGINT$")
+        job.wait_for(r"^\[launcher\] ending the job: received SIGINT")
         job.process.send_signal(signal.SIGINT)
         job.wait_for(r"^\[launcher\] received SIGINT again: killing every task$")
         assert job.finish() == 130

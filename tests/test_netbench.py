@@ -366,7 +366,7 @@ def test_a_long_step_is_no_dead_link(tmp_path):
                         verbose=0)
     say("fit seconds", round(time.perf_counter() - start, 1))
     say("iterations", int(model.optimizer.iterations.numpy()))
-    say("reexecuted", sum(history.history["reexecuted_steps"]))
+    say("reexecuted", sum(history.history.get("reexecuted_steps", [0])))
 """))
     with _chief_on_bench(tmp_path, script, "tlong") as (_, chief):
         status = chief.finish()
@@ -403,7 +403,7 @@ def test_long_executions_after_short_ones_run_every_step_once(tmp_path):
             for steps in (20, 60):
                 history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=1,
                                     steps_per_epoch=steps, verbose=0)
-                reexecuted += sum(history.history["reexecuted_steps"])
+                reexecuted += sum(history.history.get("reexecuted_steps", [0]))
             print("spe", spe, "iterations", int(model.optimizer.iterations.numpy()),
                   "reexecuted", reexecuted, flush=True)
     """))

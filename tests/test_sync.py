@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -73,7 +74,7 @@ def one_worker_run():
     _assert_same(model, single)
     assert int(model.optimizer.iterations.numpy()) == 8
     assert history.history["dropped_gradients"] == [0]
-    assert history.history["staleness"] == [0.0]
+    assert "staleness" not in history.history  # no gradient is stale in sync mode
     print("ONE WORKER OK")
 
 
@@ -146,7 +147,7 @@ def test_progress_bar_shows_staleness_or_dropped_gradients_where_they_mean_somet
                         steps_per_epoch=3, verbose=1)
     out = capsys.readouterr().out
     assert f"{shown}:" in out and f"{hidden}:" not in out
-    assert {"staleness", "dropped_gradients"} <= set(history.history)  # kept there
+    assert shown in history.history and hidden not in history.history
 
 
 def test_staleness_is_left_out_with_one_worker_dropped_gradients_in_async_mode():
@@ -213,16 +214,27 @@ def test_a_step_that_waits_too_long_fails_with_a_clear_error(make_strategy):
                   verbose=0)
 
 
+def _slow_loss(seconds):
+    """Mean squared error computed `seconds` after the step read the weights: while one
+    worker's step waits here, the other's can update them."""
+    def loss(y_true, y_pred):
+        pause = tf.py_function(lambda: time.sleep(seconds) or 0.0, [], tf.float32)
+        pause = tf.ensure_shape(pause, [])
+        return keras.losses.mean_squared_error(y_true, y_pred) + 0.0 * pause
+    return loss
+
+
 def test_async_logs_report_staleness_and_max_staleness_bounds_it(make_strategy):
     results = {}
     for bound in (None, 0):
         strategy = make_strategy(max_staleness=bound)
         with strategy.scope():
-            model = _dense_model()
-        history = model.fit(kerasps.DatasetCreator(_slow_worker_fn(0.02)), epochs=2,
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+            model.compile("sgd", _slow_loss(0.05))
+        history = model.fit(kerasps.DatasetCreator(_slow_worker_fn(0)), epochs=2,
                             steps_per_epoch=12, verbose=0)
         assert len(history.history["staleness"]) == 2
-        assert history.history["dropped_gradients"] == [0, 0]
+        assert "dropped_gradients" not in history.history  # async: every gradient applies
         results[bound] = max(history.history["staleness"])
     assert results[None] > 0  # the fast worker updates while the slow one computes
     assert results[0] == 0.0  # one function at a time: nothing lands in between

@@ -40,10 +40,15 @@ Seams (see `SEAMS`):
     (`kerasps.params.sparse`), as the strategy's `sparse_updates` mode allows; the
     learning rate and `iterations` are read once per step, not per variable,
     and the small gradients of one ps task's variables cross to it in one tensor.
+  * `TFOptimizer.apply`, `Trainer._symbolic_build`: a variable that a layer gave an
+    optimizer of its own (a keras-rs table's `TableConfig.optimizer`) is trained by
+    that optimizer; the model's optimizer holds no slot of it.
   * `backend.numpy.take`: a row lookup in a `ShardedVariable` gathers on each
     shard's ps task instead of concatenating the whole table.
   * `TensorFlowTrainer.fit/evaluate/predict` (and the `*_on_batch` methods):
-    models built under a kerasps strategy run through `kerasps.keras.trainer`.
+    models built under a kerasps strategy run through `kerasps.keras.trainer`. As
+    Keras' own, `fit`, `evaluate` and `predict` filter the tracebacks of the
+    exceptions that leave them (`kerasps.backend.tracebacks`).
 
 Not a seam: `disown_variables_of_old_context` marks the Keras variables that
 TensorFlow deleted when the process connected to its cluster (`_DeletedValue`).
@@ -82,7 +87,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.utils import tracking
 from keras.src.utils.python_utils import pythonify_logs
 
-from kerasps.backend import _tf
+from kerasps.backend import _tf, tracebacks
 
 # `keras.Variable`: the TF backend's variable class, as layers create it.
 KerasTFVariable = keras_backend.Variable
@@ -173,6 +178,60 @@ def backup_paths(callback) -> tuple[str, str]:
 
 def backup_saves_each_epoch(callback) -> bool:
     return callback.save_freq == "epoch"
+
+
+# A Keras optimizer's update without its step count, for hybrid mode's row updates.
+def check_apply_uncounted(optimizer):
+    """Raises a `ValueError` if `apply_uncounted` cannot do what `optimizer.apply` would:
+    where the optimizer's rule spans every variable of a step at once."""
+    for name, value in (("global_clipnorm", optimizer.global_clipnorm),
+                        ("gradient_accumulation_steps",
+                         optimizer.gradient_accumulation_steps),
+                        ("use_ema", optimizer.use_ema)):
+        if value:
+            raise ValueError(
+                f"Invalid value for argument `{name}` of the optimizer: it is not supported "
+                "with `mode='hybrid'`, where the embedding tables' row updates and the "
+                "dense variables' global steps are applied at different times. Received: "
+                f"{name}={value!r}")
+
+
+def apply_uncounted(optimizer, grads, variables):
+    """Updates `variables` with `grads` as `optimizer.apply` would (loss-scale factor,
+    clipping, weight decay, the update rule, constraints) without counting a step in
+    `optimizer.iterations`: in hybrid mode that counts global steps, and the row
+    updates applied on arrival use the count of the global step they belong to, as
+    one Keras `apply` of every variable would. See `check_apply_uncounted`.
+
+    Variables with an optimizer of their own (`own_optimizer`: keras-rs tables) are
+    handed to it (its `apply`, whose `iterations` counts the updates that reached
+    it, as in async mode)."""
+    grads, variables = list(grads), list(variables)
+    theirs = {}  # id(owner) -> (owner, gradients, variables)
+    mine = ([], [])
+    for gradient, variable in zip(grads, variables):
+        owner = own_optimizer(variable)
+        if owner is None or owner is optimizer:
+            mine[0].append(gradient)
+            mine[1].append(variable)
+        else:
+            _, owned_grads, owned_variables = theirs.setdefault(id(owner), (owner, [], []))
+            owned_grads.append(gradient)
+            owned_variables.append(variable)
+    for owner, owned_grads, owned_variables in theirs.values():
+        owner.apply(owned_grads, owned_variables)
+    grads, variables = mine
+    if not variables:
+        return
+    scale = optimizer.loss_scale_factor
+    if scale is not None:
+        grads = [g / scale for g in grads]
+    grads = optimizer._clip_gradients(grads)
+    optimizer._apply_weight_decay(variables)
+    optimizer._backend_update_step(grads, variables, optimizer.learning_rate)
+    for variable in variables:
+        if variable.constraint is not None:
+            variable.assign(variable.constraint(variable))
 
 
 def write_backup(callback, annotate):
@@ -331,11 +390,38 @@ def _gradients_sent_together(grads_and_vars):
 
 
 def sparse_mode(optimizer):
-    """The `sparse_updates` mode of the kerasps strategy of `optimizer`, or `None`."""
+    """The `sparse_updates` mode of the kerasps strategy of `optimizer`, or `None`.
+
+    An optimizer that trains tables of its own (`own_optimizer`) has the mode it was
+    given, `kerasps.params.sparse.ROWS`, whatever the strategy's.
+    """
     strategy = getattr(optimizer, "_distribution_strategy", None)
     if not getattr(strategy, "_is_kerasps", False):
         return None
-    return strategy.sparse_updates
+    return getattr(optimizer, "_kerasps_sparse_updates", None) or strategy.sparse_updates
+
+
+def own_optimizer(variable):
+    """The optimizer that a layer gave `variable` (a Keras variable or shard) to train it
+    instead of the model's (`kerasps.keras.layers.rs_tables`), or `None`."""
+    return getattr(variable, "_kerasps_optimizer", None)
+
+
+def trained_by(optimizer, variables) -> list:
+    """The `variables` that `optimizer` trains: those without an optimizer of their own,
+    and its own (`apply_with_own_optimizers`). Build a model's optimizer with these."""
+    return [v for v in variables if own_optimizer(v) is None or own_optimizer(v) is optimizer]
+
+
+def own_optimizers(model) -> list:
+    """The optimizers of `model`'s variables that train them instead of its optimizer,
+    once each, in the order of the variables."""
+    found = {}
+    for variable in model.weights:
+        owner = own_optimizer(variable)
+        if owner is not None:
+            found.setdefault(id(owner), owner)
+    return list(found.values())
 
 
 def optimizer_slot(optimizer, attribute, variable):
@@ -863,11 +949,18 @@ def add_slot_next_to_its_variable(self, reference_variable, *args, **kwargs):
     return slot
 
 
+def _row_updated(variable, mode) -> bool:
+    """Whether `variable`'s row updates go to `kerasps.params.sparse.update_rows`: a
+    table's shard, or any variable of an optimizer in the rows mode (a table's own)."""
+    return hasattr(variable, "_kerasps_container") or mode == _handlers.sparse.ROWS
+
+
 def _lazily_decayed(optimizer, variable) -> bool:
-    """Lazy mode decays a table's shard with its update: its touched rows only."""
-    return (sparse_mode(optimizer) == _handlers.sparse.LAZY
+    """Lazy and rows modes decay a table's shard with its update: its touched rows only."""
+    mode = sparse_mode(optimizer)
+    return (mode in (_handlers.sparse.LAZY, _handlers.sparse.ROWS)
             and optimizer.weight_decay is not None
-            and hasattr(variable, "_kerasps_container")
+            and _row_updated(variable, mode)
             and optimizer._use_weight_decay(variable))
 
 
@@ -878,7 +971,7 @@ def _update_variable(variable, optimizer, mode, received, unpack):
     gradient = received()
     keras_variable = optimizer._trainable_variables[optimizer._get_variable_index(variable)]
     decayed = _lazily_decayed(optimizer, keras_variable)
-    if not (hasattr(keras_variable, "_kerasps_container") and _handlers.sparse.update_rows(
+    if not (_row_updated(keras_variable, mode) and _handlers.sparse.update_rows(
             optimizer, gradient, variable, learning_rate, mode, weight_decay=decayed)):
         if decayed:
             _handlers.sparse.decay(optimizer, variable)
@@ -922,16 +1015,91 @@ def apply_weight_decay_but_lazily(self, variables):
         self, [v for v in variables if not _lazily_decayed(self, v)])
 
 
+def apply_with_own_optimizers(self, grads, trainable_variables=None):
+    """Replaces `TFOptimizer.apply`: variables with an optimizer of their own are trained
+    by it.
+
+    A layer may give some of its variables an optimizer of their own (`own_optimizer`:
+    the tables of a keras-rs `DistributedEmbedding`, each with its
+    `TableConfig.optimizer`, see `kerasps.keras.layers.rs_tables`). Handed their
+    gradients with the others (`model.optimizer.apply` in Keras' `train_step`, or
+    `apply_gradients` in a custom loop), an optimizer hands each own optimizer the
+    gradients of its variables (its `apply`, once per call, so that its `iterations`
+    counts the steps that reached it) and applies the others itself; with none left,
+    it counts the step (`iterations`) all the same. Defers to Keras' `apply` where no
+    variable has an optimizer other than this one.
+    """
+    original = _keras_original(tf_optimizer.TFOptimizer, "apply")
+    variables = trainable_variables
+    if variables is None and self.built:
+        variables = self._trainable_variables
+    if variables is None:
+        return original(self, grads, trainable_variables)
+    grads, variables = list(grads), list(variables)
+    owners = [own_optimizer(v) for v in variables]
+    if all(owner is None or owner is self for owner in owners):
+        return original(self, grads, trainable_variables)
+    mine, theirs = ([], []), {}
+    for gradient, variable, owner in zip(grads, variables, owners):
+        if owner is None or owner is self:
+            mine[0].append(gradient)
+            mine[1].append(variable)
+        else:
+            theirs.setdefault(id(owner), (owner, [], []))
+            theirs[id(owner)][1].append(gradient)
+            theirs[id(owner)][2].append(variable)
+    for owner, owned_grads, owned_variables in theirs.values():
+        owner.apply(owned_grads, owned_variables)
+    if mine[1]:
+        return original(self, mine[0], mine[1])
+    self._iterations.assign_add(1)
+
+
+def build_optimizer_without_own_tables(self, *args, **kwargs):
+    """Replaces `Trainer._symbolic_build`: the model's optimizer skips tables of their own.
+
+    Keras' `_symbolic_build` builds the model's optimizer with every trainable
+    variable; for a model built under a kerasps strategy it is built with those it
+    trains (`trained_by`): no slot for a table that trains with an optimizer of its
+    own. The optimizer's `build` is an instance attribute meanwhile, set with
+    `object.__setattr__` and removed after. Defers to Keras' own otherwise.
+    """
+    original = _keras_original(TensorFlowTrainer, "_symbolic_build")
+    optimizer = getattr(self, "optimizer", None)
+    if optimizer is None or optimizer.built or not _handlers.trainer.uses_kerasps(self):
+        return original(self, *args, **kwargs)
+
+    def build(variables):
+        return type(optimizer).build(optimizer, trained_by(optimizer, variables))
+
+    object.__setattr__(optimizer, "build", build)
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        object.__delattr__(optimizer, "build")
+
+
 # Row lookups -----------------------------------------------------------------------
 
 def take_rows_from_shards(x, indices, axis=None):
     """Replaces `keras.src.backend.tensorflow.numpy.take` (`keras.ops.take`): per shard.
 
     A row lookup (`axis` 0) in a `kerasps.ShardedVariable` gathers on each shard's ps
-    task (`ShardedVariable.lookup`) instead of concatenating the whole table. Defers
-    to Keras' `take` for anything else.
+    task (`ShardedVariable.lookup`) instead of concatenating the whole table: dense
+    and ragged ids, and sparse ids as Keras looks them up (each id its own row, the
+    missing ones row 0, which keras-rs' `EmbedReduce` masks). Defers to Keras' `take`
+    for anything else.
     """
     if isinstance(x, _handlers.variables.ShardedVariable) and axis in (0, -x.ndim):
+        if isinstance(indices, tf.SparseTensor):
+            values = tf.where(indices.values < 0,
+                              indices.values + tf.cast(x.shape[0], indices.values.dtype),
+                              indices.values)
+            indices = tf.SparseTensor(indices.indices, values, indices.dense_shape)
+            output = tf.nn.safe_embedding_lookup_sparse(
+                x, tf.sparse.expand_dims(indices, axis=-1), default_id=0)
+            output.set_shape(indices.shape + output.shape[len(indices.shape):])
+            return output
         return x.lookup(indices)
     return _keras_original(tf_numpy, "take")(x, indices, axis=axis)
 
@@ -948,6 +1116,7 @@ def _dispatch(model, name, args, kwargs):
     return _keras_original(TensorFlowTrainer, name)(model, *args, **kwargs)
 
 
+@tracebacks.filtered
 def fit_on_workers(self, *args, **kwargs):
     """Replaces `TensorFlowTrainer.fit`: a kerasps model trains on the workers.
 
@@ -958,12 +1127,14 @@ def fit_on_workers(self, *args, **kwargs):
     return _dispatch(self, "fit", args, kwargs)
 
 
+@tracebacks.filtered
 def evaluate_on_workers(self, *args, **kwargs):
     """Replaces `TensorFlowTrainer.evaluate`: `kerasps.keras.trainer.evaluate` for a kerasps
     model, Keras' `evaluate` for any other."""
     return _dispatch(self, "evaluate", args, kwargs)
 
 
+@tracebacks.filtered
 def predict_on_workers(self, *args, **kwargs):
     """Replaces `TensorFlowTrainer.predict`: `kerasps.keras.trainer.predict` for a kerasps
     model, Keras' `predict` for any other."""
@@ -1029,6 +1200,8 @@ SEAMS = (
     Seam(_TFOptimizer, "add_variable_from_reference", add_slot_next_to_its_variable),
     Seam(_TFOptimizer, "_distributed_tf_update_step", update_rows_and_send_once),
     Seam(_TFOptimizer, "_apply_weight_decay", apply_weight_decay_but_lazily),
+    Seam(_TFOptimizer, "apply", apply_with_own_optimizers),
+    Seam(TensorFlowTrainer, "_symbolic_build", build_optimizer_without_own_tables),
     # Row lookups.
     Seam(tf_numpy, "take", take_rows_from_shards),
     # Training loops.

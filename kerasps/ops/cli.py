@@ -216,6 +216,15 @@ def _launch(args, parser) -> int:
     return 0
 
 
+def _interrupted(command: str) -> int:
+    """Ctrl-C: one line instead of a traceback (on a terminal, below the progress bar it
+    interrupted), and exit status 130, as after SIGINT."""
+    sys.stdout.flush()
+    newline = "\n" if sys.stderr.isatty() else ""  # the bar's line has no newline yet
+    print(f"{newline}{command}: stopped (Ctrl-C)", file=sys.stderr, flush=True)
+    return 130
+
+
 def main(argv=None) -> int:
     # TensorFlow's log lines are kept from the user by `import kerasps` (this module's
     # package): `kerasps.backend.tf_logs`; KERASPS_TF_LOGS=1 shows them.
@@ -223,9 +232,12 @@ def main(argv=None) -> int:
     if args.command == "demo":
         from kerasps.ops import demo
 
-        demo.run(demo.DemoConfig(workers=args.workers, ps=args.ps, epochs=args.epochs,
-                                 steps_per_epoch=args.steps_per_epoch,
-                                 placement=args.placement, verbose=args.verbose))
+        try:
+            demo.run(demo.DemoConfig(workers=args.workers, ps=args.ps, epochs=args.epochs,
+                                     steps_per_epoch=args.steps_per_epoch,
+                                     placement=args.placement, verbose=args.verbose))
+        except KeyboardInterrupt:
+            return _interrupted("kerasps demo")
     elif args.command == "launch":
         return _launch(args, args.command_parser)
     elif args.command == "serve":

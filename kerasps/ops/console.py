@@ -16,6 +16,11 @@ comes, as last drawn.
 Elsewhere (a file, a CI log) only complete lines are written: a progress bar's
 line is written once, as it was last drawn when its newline came.
 
+Once the job is being stopped (`stop`: Ctrl-C), each unfinished line is written
+once as a complete line, as last drawn, above the launcher's line that says so;
+from then on only complete lines are written, live or not: no bar is drawn again
+(nor written when its stream ends).
+
 Colours and other escape sequences (Keras draws its bar in bold, green and grey
 whatever its output is) reach a terminal only: a file or a CI log gets plain
 text (`colors`).
@@ -82,6 +87,13 @@ class Stream:
             self.text, self.drawn, self.redrawn = "", "", False
         return completed
 
+    def cut(self) -> str:
+        """Ends the unfinished line here (what follows starts a new line); returns it as
+        `feed` would have completed it ("" if there is none)."""
+        line = self.unfinished.rstrip(" ") if self.redrawn else self.unfinished
+        self.text, self.drawn, self.redrawn = "", "", False
+        return line
+
     @property
     def unfinished(self) -> str:
         """What a terminal shows of the unfinished line ("" if there is none)."""
@@ -115,6 +127,7 @@ class Console:
         self._lock = threading.RLock()
         self._status = None  # (stream, label, text) drawn on the terminal's last line
         self._unfinished = {}  # stream -> label, for the streams with an unfinished line
+        self._stopped = False  # the job is being stopped: complete lines only
 
     def say(self, label: str, line: str):
         """Writes one complete line from `label` (the launcher's messages)."""
@@ -125,28 +138,55 @@ class Console:
         self._update(stream, label, stream.feed(data))
 
     def close(self, stream: Stream, label: str):
-        """`stream` ended: its unfinished line is written as a complete one."""
-        self._update(stream, label, stream.feed(b"", final=True))
+        """`stream` ended: its unfinished line is written as a complete one (after `stop`,
+        a progress bar's is not)."""
+        with self._lock:
+            if self._stopped and stream.redrawn:
+                stream.cut()
+            self._update(stream, label, stream.feed(b"", final=True))
+
+    def stop(self, label: str, line: str):
+        """The job is being stopped: writes each unfinished line (a progress bar as last
+        drawn) as a complete one, then `line` from `label`; from here on, complete lines
+        only: no bar is drawn again."""
+        with self._lock:
+            # The bar (a line redrawn with a carriage return) last, as it was shown.
+            pending = sorted(self._unfinished.items(), key=lambda item: item[0].redrawn)
+            self._unfinished.clear()
+            lines = self._lines([(each, stream.cut()) for stream, each in pending]
+                                + [(label, line)])
+            self._write(self._redraw(lines) if self.live else "".join(lines))
+            self._stopped = True
+
+    def _lines(self, labelled) -> list[str]:
+        """The lines written for `(label, line)` pairs: prefixed, plain text unless
+        `colors`, TensorFlow's start-up lines dropped unless `tf_logs`."""
+        written = []
+        for label, line in labelled:
+            if not self.colors:
+                line = plain(line)
+            if self.tf_logs or not is_start_up_noise(line):
+                written.append(f"[{label}] {line}\n")
+        return written
 
     def _update(self, stream, label, completed):
-        if not self.colors:
-            completed = [plain(line) for line in completed]
-        lines = [f"[{label}] {line}\n" for line in completed
-                 if self.tf_logs or not is_start_up_noise(line)]
+        lines = self._lines([(label, line) for line in completed])
         with self._lock:
-            if not self.live:
-                text = "".join(lines)
+            if stream is not None and not self._stopped:
+                self._unfinished.pop(stream, None)
+                if stream.unfinished:
+                    self._unfinished[stream] = label  # the most recently drawn last
+            if self.live and not self._stopped:
+                self._write(self._redraw(lines))
             else:
-                text = self._redraw(stream, label, lines)
-            if text:
-                self._out.write(text)
-                self._out.flush()
+                self._write("".join(lines))
 
-    def _redraw(self, stream, label, lines) -> str:
-        if stream is not None:
-            self._unfinished.pop(stream, None)
-            if stream.unfinished:
-                self._unfinished[stream] = label  # the most recently drawn last
+    def _write(self, text: str):
+        if text:
+            self._out.write(text)
+            self._out.flush()
+
+    def _redraw(self, lines) -> str:
         # The status line shows the most recently drawn progress bar (a line redrawn with
         # a carriage return), else the most recent unfinished line.
         pending = sorted(self._unfinished.items(), key=lambda item: item[0].redrawn)

@@ -19,7 +19,10 @@ connects to the servers that kept running, and a `fit` with
 epoch. The chief's exit with status 0, Ctrl-C or SIGTERM ends every process:
 after Ctrl-C (or SIGTERM) the chief and the evaluator get the signal first, while
 the servers still run, and everything is gone within `INTERRUPT_GRACE +
-STOP_GRACE` (2 s); a second Ctrl-C kills every task at once.
+STOP_GRACE` (2 s); a second Ctrl-C kills every task at once. The launcher says so in
+one line, below each task's progress bar as last drawn, and no bar is drawn again; the
+chief's (or the evaluator's) `KeyboardInterrupt` ends it without a traceback
+(`kerasps.runtime.launch_env.quiet_interrupts`).
 A restarted (or rejoining) task starts in a warm standby interpreter that has
 already imported TensorFlow and Keras (`kerasps.ops.standby`): the agent keeps one
 beside the job and starts the next after each restart, so a restart no longer
@@ -270,7 +273,8 @@ class Launcher:
             self._kill_everything(f"received {signal.Signals(signum).name} again")
             return
         self._stop_signal = signum
-        self.request_stop(f"received {signal.Signals(signum).name}")
+        name = signal.Signals(signum).name
+        self.request_stop(f"received {name}" + (" (Ctrl-C)" if signum == signal.SIGINT else ""))
 
     def _kill_everything(self, reason: str):
         self._say(f"{reason}: killing every task")
@@ -348,7 +352,10 @@ class Launcher:
                     return 1
             if status is not None and all(p.done for p in self._processes.values()):
                 return status
-        self._say(f"ending the job: {self._stop_reason}")
+        # One line says so; the tasks' progress bars are not drawn again.
+        self._console.stop("launcher", f"ending the job: {self._stop_reason}" + (
+            "; press Ctrl-C again to kill every task" if self._stop_signal == signal.SIGINT
+            else ""))
         return 130 if "SIGINT" in (self._stop_reason or "") else 143
 
     def _restart(self, process: _Process):

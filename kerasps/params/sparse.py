@@ -26,9 +26,17 @@ argument of `kerasps.ParameterServerStrategy`):
   step than under the dense rule; this is the usual choice for large embedding
   tables. The optimizers of the exact mode keep their exact update.
 
-Unsharded variables, dense gradients (a table read whole), optimizers not
-listed and subclasses that override `update_step` keep Keras' own update.
-Slots are the same variables in both modes, so checkpoints move between them.
+A third mode, `"rows"`, is not a choice of the strategy: it is the rule of an
+embedding table trained by an optimizer of its own (a keras-rs `TableConfig`'s,
+see `kerasps.keras.layers.rs_tables`), sharded or not, as TPU embedding
+optimizers train theirs: every supported optimizer (`SGD` without momentum,
+`Adagrad`, `Adam`, `Ftrl`) updates the rows of the batch only, `Ftrl` from its
+first step, `Adam` lazily.
+
+Unsharded variables (except in the `"rows"` mode), dense gradients (a table read
+whole), optimizers not listed and subclasses that override `update_step` keep
+Keras' own update. Slots are the same variables in every mode, so checkpoints
+move between them.
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ __all__ = ["EXACT", "LAZY", "MODES", "validate_mode", "update_rows"]
 
 EXACT = "exact"
 LAZY = "lazy"
-MODES = (EXACT, LAZY)
+MODES = (EXACT, LAZY)  # the strategy's choices
+ROWS = "rows"  # a table's own optimizer: the rows of the batch only, always
 
 
 def validate_mode(sparse_updates) -> str:
@@ -210,9 +219,9 @@ def update_rows(optimizer, gradient, variable, learning_rate, mode, weight_decay
         gradient: the shard's gradient; only a `tf.IndexedSlices` is a row update.
         variable: the shard's `tf.Variable`.
         learning_rate: the current learning rate.
-        mode: `"exact"` or `"lazy"`.
-        weight_decay: decay the touched rows first (lazy mode: the optimizer's
-            own weight decay skips sharded tables).
+        mode: `"exact"`, `"lazy"` or `"rows"`.
+        weight_decay: decay the touched rows first (lazy and rows modes: the
+            optimizer's own weight decay skips the tables).
 
     Returns:
         `True` if the rows were updated, `False` if nothing was done and the
@@ -229,7 +238,8 @@ def update_rows(optimizer, gradient, variable, learning_rate, mode, weight_decay
     rows = _Rows(optimizer, gradient, variable, learning_rate)
     if weight_decay:
         decay(optimizer, variable, rows)
-    apply(rows, exact)  # exact wherever the math allows it, in both modes
+    # Exact wherever the math allows it, in the strategy's modes; rows only in "rows".
+    apply(rows, exact and mode != ROWS)
     return True
 
 

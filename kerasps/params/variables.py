@@ -353,7 +353,10 @@ class ShardedVariable(_keras.KerasTFVariable):
         Each distinct row is gathered once, and its gradient reaches its
         shard once, summed over the batch: every shard gets a row update
         (`tf.IndexedSlices`) that `kerasps.sparse` applies to those rows only.
+        Ragged ids give ragged rows (`[batch, (ids), *row_shape]`).
         """
+        if isinstance(ids, tf.RaggedTensor):
+            return ids.with_flat_values(self.lookup(ids.flat_values))
         ids = tf.convert_to_tensor(ids)
         if not ids.dtype.is_integer:
             ids = tf.cast(ids, "int64")

@@ -13,6 +13,13 @@ staleness. Pure Python (no TensorFlow): the policies the trainer follows, testab
   `N - b` of them are averaged on the ps tasks and applied as one
   update, the rest are dropped and counted (`SyncStep`). Chen et al., 2016,
   "Revisiting Distributed Synchronous SGD"; TF1's `SyncReplicasOptimizer`.
+* **hybrid with `backup_workers=b`**: the dense variables train as in sync
+  mode, while the row updates of embedding tables are applied as each
+  worker's gradient arrives, as in async mode, a late worker's included
+  (`updated_on_arrival`). Embedding rows are many and each is touched by few
+  examples, so their gradients rarely collide and staleness costs them
+  little; the small dense network every example touches gets synchronous
+  steps. Lian et al., KDD 2022, "PERSIA".
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ import enum
 
 from kerasps.policy._validation import positive_int
 
-__all__ = ["Mode", "Consistency", "StalenessBound", "SyncStep"]
+__all__ = ["Mode", "Consistency", "StalenessBound", "SyncStep", "updated_on_arrival",
+           "update_on_arrival"]
 
 
 class Mode(enum.StrEnum):
@@ -30,6 +38,7 @@ class Mode(enum.StrEnum):
 
     ASYNC = "async"  # every gradient is applied on arrival
     SYNC = "sync"  # a step aggregates the first `count - backup_workers` gradients
+    HYBRID = "hybrid"  # dense variables as SYNC, embedding row updates as ASYNC
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +46,9 @@ class Consistency:
     """The strategy's `mode`, `backup_workers` and `max_staleness`, validated.
 
     Attributes:
-        mode: `Mode.ASYNC` or `Mode.SYNC`.
-        backup_workers: sync only: gradients a global step does not wait for.
+        mode: `Mode.ASYNC`, `Mode.SYNC` or `Mode.HYBRID`.
+        backup_workers: sync and hybrid only: gradients a global step does not
+            wait for.
         max_staleness: async only: the most updates a gradient may be behind
             when it is applied (`None`: unbounded).
         measure_staleness: whether every step adds its gradient's staleness to a
@@ -63,15 +73,16 @@ class Consistency:
             mode = Mode(mode)
         except ValueError:
             raise ValueError(
-                "Invalid value for argument `mode`: expected 'async' or 'sync'. "
+                "Invalid value for argument `mode`: expected 'async', 'sync' or 'hybrid'. "
                 f"Received: mode={mode!r}") from None
         backup_workers = positive_int("backup_workers", backup_workers, minimum=0)
         max_staleness = positive_int("max_staleness", max_staleness, allow_none=True,
                                      minimum=0)
-        if backup_workers and mode is not Mode.SYNC:
+        if backup_workers and mode is Mode.ASYNC:
             raise ValueError(
                 "Invalid value for argument `backup_workers`: backup workers drop the "
-                "slowest gradients of a synchronous step and need `mode='sync'`. Received: "
+                "slowest gradients of a synchronous step and need `mode='sync'` or "
+                "`mode='hybrid'`. Received: "
                 f"backup_workers={backup_workers!r} with mode={mode.value!r}")
         if backup_workers >= num_workers:
             raise ValueError(
@@ -81,13 +92,38 @@ class Consistency:
         if max_staleness is not None and mode is not Mode.ASYNC:
             raise ValueError(
                 "Invalid value for argument `max_staleness`: it bounds the staleness of "
-                "asynchronous updates; synchronous steps apply no stale gradient. Received: "
+                "asynchronous steps; synchronous steps apply no stale gradient, and in hybrid "
+                "mode a row update is at most the global steps its worker took behind. "
+                "Received: "
                 f"max_staleness={max_staleness!r} with mode={mode.value!r}")
         return cls(mode, backup_workers, max_staleness, measure_staleness)
 
     @property
     def sync(self) -> bool:
-        return self.mode is Mode.SYNC
+        """Whether the dense variables train in global steps (sync and hybrid modes)."""
+        return self.mode is not Mode.ASYNC
+
+    @property
+    def hybrid(self) -> bool:
+        return self.mode is Mode.HYBRID
+
+
+def updated_on_arrival(mode: Mode, row_update: bool, override: bool | None = None) -> bool:
+    """Whether a variable's gradient updates it as soon as it arrives (asynchronously)
+    rather than in a global step.
+
+    Args:
+        mode: the strategy's mode.
+        row_update: whether the variable's gradient is a row update (an embedding
+            table: `tf.IndexedSlices`, or a shard of a sharded table).
+        override: `True` or `False` set for the variable or its layer
+            (`kerasps.consistency.update_on_arrival`); `None`: by `row_update`.
+    """
+    if mode is Mode.ASYNC:
+        return True
+    if mode is Mode.SYNC:
+        return False
+    return row_update if override is None else override
 
 
 class StalenessBound:
@@ -173,3 +209,38 @@ class SyncStep:
         self.dropped += late
         self.pending = set()
         return late
+
+
+# The attribute `update_on_arrival` sets on a variable.
+ON_ARRIVAL = "_kerasps_on_arrival"
+
+
+def update_on_arrival(target, on_arrival: bool = True):
+    """In hybrid mode, makes `target` (a Keras layer, or one of its variables) update
+    its variables as each worker's gradient arrives (`True`) or in global steps
+    (`False`), whatever the form of its gradient.
+
+    By default a variable whose gradient is a row update (an embedding table)
+    updates on arrival and every other variable in global steps. Other modes
+    ignore the setting. (It sets an attribute on each variable, which the
+    trainer reads when it traces the step; no TensorFlow here.)
+
+    Args:
+        target: a `keras.layers.Layer` (all its trainable variables) or a variable.
+        on_arrival: `True` or `False`.
+
+    Returns:
+        `target`.
+    """
+    if not isinstance(on_arrival, bool):
+        raise ValueError("Invalid value for argument `on_arrival`: expected True or False. "
+                         f"Received: on_arrival={on_arrival!r}")
+    variables = getattr(target, "trainable_weights", None)
+    if variables is None:
+        if not hasattr(target, "assign"):
+            raise ValueError("Invalid value for argument `target`: expected a Keras layer or "
+                             f"variable. Received: target={target!r:.200}")
+        variables = [target]
+    for variable in variables:
+        object.__setattr__(variable, ON_ARRIVAL, on_arrival)
+    return target

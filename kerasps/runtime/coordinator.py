@@ -111,7 +111,9 @@ class ClusterCoordinator:
     def sync_step(self, fn, args=None, *, optimizer) -> list:
         """Runs one synchronous global step of a custom training loop.
 
-        Under a strategy with `mode="sync"`, every worker runs `fn(*args)` once
+        Under a strategy with `mode="sync"` (or `"hybrid"`, where the row updates of
+        embedding tables are applied as each worker computes them), every worker
+        runs `fn(*args)` once
         on the same variables; the gradients `fn` hands to
         `optimizer.apply_gradients` are kept on the ps tasks instead of
         applied, and the mean of the first `num_workers - backup_workers` is
@@ -144,7 +146,7 @@ class ClusterCoordinator:
         if not self._strategy.consistency.sync:
             raise ValueError(
                 "Invalid use of `sync_step`: the strategy trains asynchronously; create it "
-                "with `mode='sync'`, or use `schedule`. Received: "
+                "with `mode='sync'` or `mode='hybrid'`, or use `schedule`. Received: "
                 f"mode={self._strategy.mode!r}")
         steps = self._sync_steps.get((fn, optimizer))
         if steps is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 
 from kerasps.policy._validation import positive_int
@@ -89,6 +90,27 @@ def name_process(task: str | None = None, detail: str = ""):
     except ImportError:  # pragma: no cover - a dependency of kerasps
         return
     setproctitle.setproctitle(f"kerasps: {task}" + (f" {detail}" if detail else ""))
+
+
+# -- in the tasks: Ctrl-C ---------------------------------------------------------------------
+def quiet_interrupts():
+    """In a process of a `kerasps launch` job, an uncaught `KeyboardInterrupt` ends it
+    without a traceback (a no-op elsewhere; `import kerasps` calls it).
+
+    The launcher passes Ctrl-C on to the chief and the evaluator as SIGINT, and has said
+    in one line that the job is being stopped; the traceback of the interrupted `fit`
+    would only bury that line. Python exits as after any uncaught `KeyboardInterrupt`
+    (by SIGINT: status 130); any other exception's traceback is printed as before.
+    """
+    if launched_task() is None:
+        return
+    shown = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        if not issubclass(kind, KeyboardInterrupt):
+            shown(kind, value, traceback)
+
+    sys.excepthook = excepthook
 
 
 # -- in the chief --------------------------------------------------------------------------

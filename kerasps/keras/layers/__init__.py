@@ -3,11 +3,14 @@
 * `DynamicEmbedding`: an embedding table for ids of any value (a dynamic
   vocabulary), with admission and eviction; see `kerasps.tables` for its
   policies and layout.
+* `table_optimizers`: the optimizer that trains each table of a keras-rs
+  `DistributedEmbedding` made under a kerasps scope (`rs_tables`).
 """
 
 import importlib
 
-_LAZY = {"DynamicEmbedding": "kerasps.keras.layers.dynamic_embedding"}
+_LAZY = {"DynamicEmbedding": "kerasps.keras.layers.dynamic_embedding",
+         "table_optimizers": "kerasps.keras.layers.rs_tables"}
 
 __all__ = sorted(_LAZY)
 

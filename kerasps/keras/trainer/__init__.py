@@ -4,8 +4,9 @@ One module per concern: `inputs` (the `x` argument made into per-worker
 pipelines), `steps` (the functions scheduled on workers), `dispatch` (a
 bounded window of scheduled functions, results in order), `recovery`
 (bringing a lost ps task's state back inside `fit`), `sync` and `staleness`
-(consistency modes), `elastic` (watching the worker pool), then `training`,
-`evaluation`, `prediction` and `on_batch`.
+(consistency modes), `elastic` (watching the worker pool), `epochs` (one class
+per way of running an epoch: async, sync, exactly-once), then `training` (the
+epoch loop, written once), `evaluation`, `prediction` and `on_batch`.
 
 Keras' own TensorFlow trainer runs each step with `strategy.run` on the
 coordinator; under parameter-server training steps must instead be scheduled

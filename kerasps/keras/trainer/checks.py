@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kerasps.backend import _keras
+
 
 def build(model, per_worker):
     """Creates the model's, metrics' and optimizer's variables on the coordinator."""
@@ -9,9 +11,15 @@ def build(model, per_worker):
     if spec is None:
         spec = per_worker.element_spec
     model._symbolic_build(data_batch=spec)
-    if model.optimizer is not None and not model.optimizer.built:
-        model.optimizer.build(model.trainable_variables)
+    build_optimizer(model)
     _check_state_on_ps(model)
+
+
+def build_optimizer(model):
+    """Builds the model's optimizer, if not yet, with the variables it trains: not the
+    tables that train with optimizers of their own (keras-rs tables)."""
+    if model.optimizer is not None and not model.optimizer.built:
+        model.optimizer.build(_keras.trained_by(model.optimizer, model.trainable_variables))
 
 
 def _check_state_on_ps(model):

@@ -7,6 +7,7 @@ import tensorflow as tf
 from keras import tree
 
 from kerasps.backend import _keras
+from kerasps.keras.trainer import checks
 from kerasps.keras.trainer.checks import check_model
 from kerasps.keras.trainer.steps import step_functions
 
@@ -49,8 +50,7 @@ def train_on_batch(model, x, y=None, sample_weight=None, class_weight=None, retu
                          f"kerasps strategy. Received: class_weight={class_weight!r}")
     data = _batch_data(x, y, sample_weight)
     model._symbolic_build(data_batch=data)
-    if model.optimizer is not None and not model.optimizer.built:
-        model.optimizer.build(model.trainable_variables)
+    checks.build_optimizer(model)
     logs = _keras.pythonify_logs(_run_on_batch(model, "train", data))
     return logs if return_dict else _keras.flatten_metrics_in_order(model, logs)
 

@@ -130,11 +130,18 @@ class Backup:
         return progress
 
 
-def _state_variables(model):
-    """Every variable of the model, its optimizer and its metrics, once each."""
-    variables = [*model.variables, *model.metrics_variables]
+def _optimizer_variables(model) -> list:
+    """The variables of the model's optimizer and of the optimizers of its tables (keras-rs
+    tables train with optimizers of their own, state of their layer)."""
+    optimizers = _keras.own_optimizers(model)
     if model.optimizer is not None:
-        variables += model.optimizer.variables
+        optimizers.insert(0, model.optimizer)
+    return [v for optimizer in optimizers for v in optimizer.variables]
+
+
+def _state_variables(model):
+    """Every variable of the model, its optimizers and its metrics, once each."""
+    variables = [*model.variables, *model.metrics_variables, *_optimizer_variables(model)]
     unique = {id(v): v for v in variables if _tf.resource_variable(v) is not None}
     return list(unique.values())
 
@@ -246,9 +253,8 @@ def restore_lost_state(model, backup: Backup, ps_tasks) -> Progress:
             renew(ps_tasks)
     progress = backup.restore(model)
     model.reset_metrics()
-    restored = {id(v) for v in [*model.weights, *model.metrics_variables]}
-    if model.optimizer is not None:
-        restored |= {id(v) for v in model.optimizer.variables}
+    restored = {id(v) for v in [*model.weights, *model.metrics_variables,
+                                *_optimizer_variables(model)]}
     others = [v for v in renewed if id(v) not in restored]
     for variable in others:  # e.g. random seed states, which backups do not hold
         variable.assign(tf.zeros(variable.shape, variable.dtype))

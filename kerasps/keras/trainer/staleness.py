@@ -4,10 +4,11 @@ A gradient's staleness is the number of updates applied between the read of
 `optimizer.iterations` at the start of its step and its own update. Every
 training step adds its staleness and a count of 1 to a two-element counter
 on the ps task of `optimizer.iterations` (one `assign_add` there per step);
-`fit` reports the epoch's mean as `staleness` in the batch and epoch logs,
-beside `dropped_gradients` (gradients a sync step did not use). A strategy
-made with `measure_staleness=False` has no counter: its steps do not update
-it and its async logs have no `staleness` (sync logs still report 0).
+with several workers in async mode `fit` reports the epoch's mean as
+`staleness` in the batch and epoch logs; in sync mode it reports
+`dropped_gradients` (gradients a step did not use) instead. A strategy made
+with `measure_staleness=False` has no counter: its steps do not update it and
+its logs have no `staleness`.
 """
 
 from __future__ import annotations
@@ -22,37 +23,19 @@ STALENESS = "staleness"
 DROPPED = "dropped_gradients"
 
 
-def meaningless(sync: bool, num_workers: int) -> set:
-    """The counts a progress bar leaves out, as they cannot be other than 0: `staleness`
-    in sync mode (each gradient is applied to the weights it was computed on) and with
-    one worker (it runs one step at a time); `dropped_gradients` in async mode (every
-    gradient is applied). The History keeps both."""
+def meaningless(sync: bool, num_workers: int, hybrid: bool = False) -> set:
+    """The counts `fit` leaves out of its logs (batch and epoch logs, so also the
+    progress bar and the History), as they cannot be other than 0: `staleness` in
+    sync mode (each gradient is applied to the weights it was computed on) and with
+    one worker (it runs one step at a time); `dropped_gradients` in async mode
+    (every gradient is applied). Hybrid mode (`sync` too) has both: the staleness
+    of its row updates, in global steps, and the dense gradients it dropped."""
     hidden = set()
-    if sync or num_workers == 1:
+    if sync and not hybrid or num_workers == 1:
         hidden.add(STALENESS)
     if not sync:
         hidden.add(DROPPED)
     return hidden
-
-
-def hide_from_progress_bar(callbacks, hidden: set):
-    """Makes the Keras progress bar among `callbacks` (a `CallbackList`) leave out the
-    log entries named in `hidden`; the other callbacks still get them."""
-    import keras
-
-    if not hidden:
-        return
-    for callback in getattr(callbacks, "callbacks", ()):
-        if isinstance(callback, keras.callbacks.ProgbarLogger):
-            for name in ("on_train_batch_end", "on_epoch_end"):
-                method = getattr(callback, name)
-
-                def shown(step, logs=None, method=method):
-                    if isinstance(logs, dict):
-                        logs = {k: v for k, v in logs.items() if k not in hidden}
-                    return method(step, logs)
-
-                setattr(callback, name, shown)
 
 
 def without_counts(logs):
@@ -89,13 +72,20 @@ def reset(model, cache):
         counter(model, cache).assign(tf.zeros([2], tf.float64))
 
 
-def epoch_logs(model, cache) -> dict:
-    """`{"staleness": the epoch's mean}`; `{}` when not `measuring` (async), and 0 in
-    sync mode, where no gradient is stale."""
-    if not measuring(model):
-        return {STALENESS: 0.0} if model.distribute_strategy.consistency.sync else {}
-    total, count = counter(model, cache).numpy()
-    return {STALENESS: float(total / count) if count else 0.0}
+def epoch_logs(model, cache, dropped: int) -> dict:
+    """The counts of an epoch that mean something (see `meaningless`): `staleness`
+    (the epoch's mean; not without `measure_staleness`), `dropped_gradients`
+    (`dropped`, in sync mode)."""
+    strategy = model.distribute_strategy
+    hidden = meaningless(strategy.consistency.sync, strategy.num_workers,
+                         strategy.consistency.hybrid)
+    logs = {}
+    if STALENESS not in hidden and measuring(model):
+        total, count = counter(model, cache).numpy()
+        logs[STALENESS] = float(total / count) if count else 0.0
+    if DROPPED not in hidden:
+        logs[DROPPED] = dropped
+    return logs
 
 
 @contextlib.contextmanager
@@ -133,19 +123,30 @@ def measured(model, train_step, cache):
 
         def apply(grads, trainable_variables=None):
             grads = list(grads)
-            computed = [g.values if isinstance(g, tf.IndexedSlices) else g
-                        for g in grads if g is not None]
-            # Read again once the gradients exist, not as soon as the function starts.
-            with tf.device(staleness.device), tf.control_dependencies(computed):
-                behind = tf.cast(iterations.read_value() - read_at, tf.float64)
-                staleness.assign_add(tf.stack([behind, tf.constant(1.0, tf.float64)]))
+            count(staleness, iterations, read_at, grads)
             return original_apply(grads, trainable_variables)
 
         with apply_replaced(optimizer, apply):
             outputs = train_step(data)
         if isinstance(outputs, dict):
-            total, count = tf.unstack(staleness.read_value())
-            outputs = {**outputs, STALENESS: tf.math.divide_no_nan(total, count)}
+            outputs = {**outputs, **mean_of(staleness)}
         return outputs
 
     return step
+
+
+def count(counter, iterations, read_at, gradients):
+    """Adds the staleness of `gradients` (the updates counted in `iterations` since it
+    read `read_at`, read again once they are computed) and a count of 1 to `counter`."""
+    computed = [g.values if isinstance(g, tf.IndexedSlices) else g
+                for g in gradients if g is not None]
+    # Read again once the gradients exist, not as soon as the function starts.
+    with tf.device(counter.device), tf.control_dependencies(computed):
+        behind = tf.cast(iterations.read_value() - read_at, tf.float64)
+        counter.assign_add(tf.stack([behind, tf.constant(1.0, tf.float64)]))
+
+
+def mean_of(counter) -> dict:
+    """`{"staleness": the mean staleness counted in `counter` so far}`, as a tensor."""
+    total, applied = tf.unstack(counter.read_value())
+    return {STALENESS: tf.math.divide_no_nan(total, applied)}

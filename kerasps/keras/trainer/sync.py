@@ -14,6 +14,15 @@ arrive; their slots are reused only then, so no write ever races a read.
 A slot holds a gradient in the form the model gives it (`_Slots`): the row
 update of an embedding table moves the rows of its batch only, as in async
 mode.
+
+In hybrid mode (`mode="hybrid"`) the gradient function applies the row
+updates of embedding tables itself, as soon as they are computed, as an async
+step would (without counting a step in `optimizer.iterations`, which counts
+global steps), and writes only the dense gradients to slots: a late worker's
+dense gradient is dropped, its row updates are not. Which variables update on
+arrival is `consistency.updated_on_arrival`: those whose gradient is a row
+update, unless `update_on_arrival` says otherwise for the variable or its
+layer.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import tensorflow as tf
 from kerasps.backend import _keras, _tf
 from kerasps.keras.trainer import staleness
 from kerasps.keras.trainer.steps import step_functions
-from kerasps.policy.consistency import SyncStep
+from kerasps.policy.consistency import ON_ARRIVAL, SyncStep, updated_on_arrival
 
 
 class _Slots:
@@ -105,6 +114,18 @@ class _Slots:
                 self.shape.as_list(), tf.int64))
 
 
+def _on_arrival(mode, gradient, variable) -> bool:
+    """Whether `variable`'s `gradient` updates it on arrival (see `update_on_arrival`)."""
+    override = None
+    for holder in (variable, getattr(variable, "_kerasps_container", None)):
+        if getattr(holder, ON_ARRIVAL, None) is not None:
+            override = getattr(holder, ON_ARRIVAL)
+            break
+    row_update = isinstance(gradient, tf.IndexedSlices) or hasattr(
+        variable, "_kerasps_container")
+    return updated_on_arrival(mode, row_update, override)
+
+
 class GradientSlots:
     """Slots for the gradients a step asks the optimizer to apply, `count` of each,
     made for each variable when the gradient function is traced."""
@@ -130,8 +151,8 @@ class GradientSlots:
                 for v in self.variables]
 
 
-def sync_functions(strategy, optimizer, step, num_slots, needed):
-    """The gradient and apply functions of a synchronous step.
+def sync_functions(strategy, optimizer, step, num_slots, needed, counter=None):
+    """The gradient and apply functions of a synchronous (or hybrid) step.
 
     Args:
         strategy: the kerasps strategy.
@@ -141,6 +162,8 @@ def sync_functions(strategy, optimizer, step, num_slots, needed):
             (or `apply`); traced with that call redirected to the slots.
         num_slots: slots per variable.
         needed: gradients averaged per step.
+        counter: hybrid mode: the staleness counter of the row updates applied on
+            arrival (`staleness.counter`), or `None` to measure none.
 
     Returns:
         `({with_logs: gradient function}, apply function, GradientSlots)`:
@@ -148,26 +171,50 @@ def sync_functions(strategy, optimizer, step, num_slots, needed):
         (or nothing); the apply function takes the kept slots.
     """
     slots = GradientSlots(num_slots)
+    mode = strategy.consistency.mode
+    iterations = _keras.tf_variable(optimizer.iterations)
 
     def gradient_function(with_logs):
         @tf.autograph.experimental.do_not_convert
         def compute(slot, *args):
+            read_at = None
+            if counter is not None:
+                with tf.device(counter.device):  # the global step the weights are read at
+                    read_at = iterations.read_value()
+
             def write(grads, trainable_variables=None):
-                # The gradients go to the slot instead of updating the variables.
-                slots.write(slot, list(grads),
-                            list(trainable_variables or optimizer._trainable_variables))
+                grads = list(grads)
+                variables = list(trainable_variables or optimizer._trainable_variables)
+                now = [_on_arrival(mode, g, v) if g is not None else False
+                       for g, v in zip(grads, variables)]
+                if any(now):  # hybrid: the row updates, applied as they are
+                    arrived = [g for g, n in zip(grads, now) if n]
+                    if read_at is not None:
+                        staleness.count(counter, iterations, read_at, arrived)
+                    _keras.apply_uncounted(optimizer, arrived,
+                                           [v for v, n in zip(variables, now) if n])
+                # The other gradients go to the slot instead of updating the variables.
+                slots.write(slot, [g for g, n in zip(grads, now) if not n],
+                            [v for v, n in zip(variables, now) if not n])
                 return optimizer.iterations
 
             with staleness.apply_replaced(optimizer, write):
                 outputs = step(*args)
-            return outputs if with_logs else None  # the coordinator knows the worker
+            if not with_logs:
+                return None  # the coordinator knows the worker
+            if counter is not None and isinstance(outputs, dict):
+                outputs = {**outputs, **staleness.mean_of(counter)}
+            return outputs
 
         return tf.function(compute, reduce_retracing=True)
 
     @tf.autograph.experimental.do_not_convert
     def apply(kept):
         def update():
-            optimizer.apply(slots.means(kept, needed), slots.variables)
+            if slots.variables:
+                optimizer.apply(slots.means(kept, needed), slots.variables)
+            else:  # hybrid, every variable updated on arrival: the global step still counts
+                optimizer.iterations.assign_add(1)
 
         strategy.run(update)
         return optimizer.iterations.value
@@ -191,18 +238,22 @@ class SyncSteps:
         optimizer: the Keras optimizer `step` applies gradients with.
         step: `step(*args)`, one training step on a worker (see `sync_functions`).
         cache: a dict to keep the traced functions in (`None`: this instance's).
+        counter: hybrid mode: the staleness counter of the row updates applied on
+            arrival, or `None`.
     """
 
-    def __init__(self, coordinator, optimizer, step, cache=None):
+    def __init__(self, coordinator, optimizer, step, cache=None, counter=None):
         strategy = coordinator.strategy
         self.coordinator = coordinator
         self.num_workers = coordinator.num_workers
         self.needed = self.num_workers - strategy.backup_workers
         self.timeout = strategy.step_timeout
         cache = {} if cache is None else cache
+        if strategy.consistency.hybrid:
+            _keras.check_apply_uncounted(optimizer)
         if "sync" not in cache:
             cache["sync"] = sync_functions(strategy, optimizer, step, 2 * self.num_workers,
-                                           self.needed)
+                                           self.needed, counter)
         self.gradient_fns, self.apply_fn, slots = cache["sync"]
         self.free = list(range(slots.count))
         self.running = {}  # slot -> (remote value, its SyncStep, worker)
@@ -217,7 +268,10 @@ class SyncSteps:
             outputs = strategy.run(model.train_step, args=(next(iterator),))
             return _keras.reduce_per_replica(outputs, strategy, reduction="auto")
 
-        return cls(coordinator, model.optimizer, step, cache=step_functions(model))
+        cache = step_functions(model)
+        counter = staleness.counter(model, cache) if (
+            strategy.consistency.hybrid and staleness.measuring(model)) else None
+        return cls(coordinator, model.optimizer, step, cache=cache, counter=counter)
 
     def _launch(self, step, worker, args, with_logs):
         while not self.free:

@@ -11,8 +11,9 @@ import tensorflow as tf
 
 from kerasps.backend import _keras, _tf
 from kerasps.keras.trainer import elastic, recovery, staleness
+from kerasps.keras.trainer import epochs as epochs_module
 from kerasps.keras.trainer.checks import build, check_model
-from kerasps.keras.trainer.dispatch import Window, reads_batch_logs, to_logs
+from kerasps.keras.trainer.dispatch import reads_batch_logs
 from kerasps.keras.trainer.evaluation import Evaluation
 from kerasps.keras.trainer.inputs import (
     is_array_like,
@@ -20,17 +21,8 @@ from kerasps.keras.trainer.inputs import (
     per_worker_dataset,
     total_batches,
 )
-from kerasps.keras.trainer.steps import (
-    make_train_function,
-    make_train_to_end_function,
-    prepare,
-    step_functions,
-    train_arguments,
-    unpack,
-)
-from kerasps.keras.trainer.sync import SyncSteps
+from kerasps.keras.trainer.steps import step_functions
 from kerasps.policy._validation import positive_int
-from kerasps.policy.consistency import StalenessBound
 from kerasps.policy.failures import Progress
 
 _log = logging.getLogger("kerasps")
@@ -41,23 +33,39 @@ def iterations_of(model):
     return None if optimizer is None or not optimizer.built else int(optimizer.iterations.numpy())
 
 
-def _record_epoch_counts(model, history, epoch, iterations_before, steps, rerun):
-    """Reports in the History the epoch's steps that ran twice and those run again
-    after restoring a backup.
+def _record(history, key, value, usual):
+    """Appends an epoch's `value` to `history.history[key]` once one epoch's differs
+    from `usual`: a count that never left its usual value is not there. The epochs of
+    the call before the first unusual one count `usual`."""
+    if history is None:
+        return
+    if key not in history.history:
+        if value == usual:
+            return
+        history.history[key] = [usual] * len(getattr(history, "epoch", ()))
+    history.history[key].append(value)
+
+
+def _record_epoch_counts(model, history, epoch, iterations_before, steps, rerun, pool):
+    """Reports in the History what departed from a plain run in an epoch: the steps
+    that ran twice, those run again after restoring a backup, the workers running.
 
     Scheduled functions run at least once: one whose worker failed before its
     result reached the coordinator runs again elsewhere, and the steps it had
     already applied count twice in `optimizer.iterations` (a counter on the ps
     that every applied step increments). `history.history["reexecuted_steps"]`
-    holds one count per epoch; `history.history["rolled_back_steps"]` the steps
-    run again after a lost ps task's state was restored from a backup.
+    holds one count per epoch once a step ran twice;
+    `history.history["rolled_back_steps"]` the steps run again after a lost ps
+    task's state was restored from a backup, once that happened;
+    `history.history["workers"]` the workers running at each epoch's end, once one
+    of the declared workers was missing there.
     """
     after = iterations_of(model)
     count = 0 if iterations_before is None or after is None else max(
         0, after - iterations_before - steps)
-    if history is not None:
-        history.history.setdefault("reexecuted_steps", []).append(count)
-        history.history.setdefault("rolled_back_steps", []).append(rerun)
+    _record(history, "reexecuted_steps", count, 0)
+    _record(history, "rolled_back_steps", rerun, 0)
+    _record(history, "workers", pool.running_workers, pool.membership.spec.max_workers)
     if count:
         _log.warning("Epoch %d: %d step(s) ran twice: a worker failed before its results "
                      "reached the coordinator (training is at-least-once).", epoch + 1, count)
@@ -65,28 +73,6 @@ def _record_epoch_counts(model, history, epoch, iterations_before, steps, rerun)
 
 def _known(total):
     return total if total is not None and total > 0 else None
-
-
-def _everyone_ended(ended, pool):
-    """True once every worker's input has ended, or every worker still answering
-    (a worker that failed for good holds no data any more), as `pool` last saw them."""
-    if not ended:
-        return False
-    return all(i in ended or i not in pool.running for i in range(pool.spec.max_workers))
-
-
-def _results_so_far(window):
-    """After a function found the end of exactly-once input: the results of those
-    that ran their step, in order; the others (input ended, or cancelled with the
-    queue) ran none. Clears the coordinator's error."""
-    results = []
-    for tag, remote in list(window.pending):
-        try:
-            results.append((tag, remote.fetch()))
-        except (tf.errors.OutOfRangeError, tf.errors.CancelledError, *_tf.CLOSURE_ERRORS):
-            pass
-    window.abandon()
-    return results
 
 
 def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
@@ -127,8 +113,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     if to_end and model.distribute_strategy.consistency.sync:
         raise ValueError(
             "Invalid value for argument `x`: exactly-once input (a tf.data service job "
-            "per epoch) is not supported with `mode='sync'` yet; give `steps_per_epoch` or "
-            "`kerasps.InputOptions(exactly_once=False)`. Received: x="
+            "per epoch) is not supported with `mode='sync'` or `mode='hybrid'` yet; give "
+            "`steps_per_epoch` or `kerasps.InputOptions(exactly_once=False)`. Received: x="
             f"{type(x).__name__} read exactly once")
     if steps_per_epoch is None and not to_end:
         total = total_batches(source, coordinator)
@@ -158,234 +144,168 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose,
             epochs=epochs, steps=steps_per_epoch or _known(source.total_batches), model=model)
 
-    spe = model.steps_per_execution
     consistency = model.distribute_strategy.consistency
-    staleness.hide_from_progress_bar(callbacks, staleness.meaningless(
-        consistency.sync, model.distribute_strategy.num_workers))
-    if consistency.sync and spe > 1:
+    if consistency.sync and model.steps_per_execution > 1:
         warnings.warn(
-            f"`steps_per_execution={spe}` is not used in synchronous mode: every global step "
-            "waits for the workers' gradients, one step at a time.", stacklevel=2)
-    iterator = None if to_end else per_worker.persistent_iterator()
+            f"`steps_per_execution={model.steps_per_execution}` is not used in synchronous "
+            "mode: every global step waits for the workers' gradients, one step at a time.",
+            stacklevel=2)
+    call = epochs_module.FitCall(model, coordinator, per_worker, callbacks,
+                                 elastic.watcher(coordinator), steps_per_epoch,
+                                 reads_batch_logs(callbacks))
+    runner = epochs_module.for_call(call)
     per_worker.reading = not to_end
-    renewed_at = None  # (epoch, step) where the input pipelines were last rebuilt
-    retried_at, retries = None, 0  # (epoch, step) of the last recovery; recoveries there
-    backup = recovery.Backup.of(callbacks)
-    # Functions that return logs run where a callback reads them, and where the step's
-    # logs are not the metrics' results (a custom `train_step`): at an epoch's ends.
-    custom_logs = True
-    if not to_end and not consistency.sync:
-        custom_logs = not prepare(coordinator, model, iterator)
     model.stop_training = False
     callbacks.on_train_begin()
-    initial_epoch = model._initial_epoch or initial_epoch
-    # A restarted coordinator goes on from the step its latest backup recorded.
-    resumed = backup.progress() if backup is not None else None
-    if resumed is not None and resumed.epoch >= initial_epoch:
-        initial_epoch = resumed.epoch
-    position = Progress(initial_epoch, resumed.step if (
-        resumed is not None and resumed.epoch == initial_epoch) else 0)
-    tracing = coordinator.tracing
-    training_logs = None
-    logs = {}
-    batch_logs = reads_batch_logs(callbacks)
-
-    def deliver(results):
-        """Records the progress of delivered results; calls `on_train_batch_end`."""
-        nonlocal logs, done, position
-        for end, result in results:
-            done = end + 1
-            position = Progress(epoch, done)
-            if result is not None:
-                logs = to_logs(unpack(model, result))
-                if isinstance(logs, dict):
-                    logs = {**logs, **({staleness.STALENESS: 0.0} if consistency.sync else {}),
-                            staleness.DROPPED: dropped}
-            if batch_logs:
-                callbacks.on_train_batch_end(end, logs)
-
-    def deliver_counted(results):
-        """`deliver` for exactly-once input: results tagged None are one plain step's;
-        the others' functions (tagged with the steps asked for) return how many steps
-        they ran and which worker's input ended."""
-        for requested, outputs in results:
-            if requested is None:
-                deliver([(done, outputs)])
-                continue
-            count, worker, *result = outputs
-            count, result = int(count), (result[0] if result else None)
-            if count < requested:
-                ended.add(int(worker))
-            if count:
-                deliver([(done + count - 1, result)])
-
-    def train_what_readers_hold():
-        """After the data ended on a worker: each worker trains on the batches its reader
-        still holds, until it finds the end too (or no longer answers)."""
-        for worker in range(coordinator.num_workers):
-            while worker not in ended:
-                if not _tf.task_alive("worker", worker):
-                    ended.add(worker)
-                    break
-                remote = coordinator.schedule_on(
-                    worker, make_train_to_end_function(model, with_logs=True), (iterator, 1))
-                deliver_counted([(1, remote.fetch())])
-
-    origin = None  # (epoch, optimizer iterations before its first step)
-
-    def backed_up():
-        """The progress a backup written now records: with repeated input, the steps
-        of the epoch that its weights hold, those applied ahead of the delivered ones
-        included (they are not run again after a restore: each kill repeats at most
-        the steps applied while the weights are read)."""
-        applied = iterations_of(model)
-        if to_end or origin is None or origin[0] != position.epoch or applied is None:
-            return position
-        ahead = min(applied - origin[1], steps_per_epoch)
-        return Progress(position.epoch, max(position.step, ahead))
-
-    pool = elastic.watcher(coordinator)
-    with backup.recording(backed_up) if backup else contextlib.nullcontext(), (
-            pool.running()), _tf.quiet_end_of_input() if to_end else contextlib.nullcontext():
-        if backup is not None:
-            backup.save()  # there is always a backup to go back to
-        for epoch in range(initial_epoch, epochs):
-            model.reset_metrics()
-            staleness.reset(model, step_functions(model))
-            dropped = 0  # gradients of this epoch a sync step did not use
-            callbacks.on_epoch_begin(epoch)
-            if tracing:
-                coordinator.set_trace_phase("train", spe)
-            step = done = position.step if position.epoch == epoch else 0
-            iterations_before, counted_from, rerun = iterations_of(model), step, 0
-            if iterations_before is not None:
-                origin = (epoch, iterations_before - counted_from)
-            if to_end:
-                iterator, ended = iter(per_worker), set()  # a new pass over the data
-            while True:
-                window = Window(coordinator, steps=spe, bound=None if (
-                    consistency.max_staleness is None) else StalenessBound(
-                        consistency.max_staleness))
-                synchronous = SyncSteps.of_model(model, coordinator) if (
-                    consistency.sync) else None
-                first = True
-                try:
-                    while to_end and not model.stop_training and not (
-                            steps_per_epoch is not None and step >= steps_per_epoch) and not (
-                            _everyone_ended(ended, pool.membership)):
-                        n = spe if steps_per_epoch is None else min(spe, steps_per_epoch - step)
-                        pool.wait_for_quorum()
-                        callbacks.on_train_batch_begin(done)
-                        if n == 1 and not ended:
-                            # Plain steps until the data ends (a step inside a `tf.cond`
-                            # costs a function call on every ps task), then each worker
-                            # trains on what its reader still holds.
-                            try:
-                                window.schedule(make_train_function(model, batch_logs or first),
-                                                train_arguments(model, iterator, 1), None)
-                                step, first = step + 1, False
-                                deliver_counted(window.ready())
-                            except tf.errors.OutOfRangeError:
-                                deliver_counted(_results_so_far(window))
-                                train_what_readers_hold()
-                            continue
-                        window.schedule(make_train_to_end_function(model, batch_logs or first),
-                                        (iterator, n), n, steps=n)
-                        step, first = step + n, False
-                        deliver_counted(window.ready())
-                    while synchronous is not None and (
-                            step < steps_per_epoch and not model.stop_training):
-                        pool.wait_for_quorum()
-                        callbacks.on_train_batch_begin(step)
-                        with_logs = batch_logs or first or step + 1 == steps_per_epoch
-                        results, lost = synchronous.run(
-                            (iterator,), epoch * steps_per_epoch + step, with_logs)
-                        dropped += lost
-                        step, first = step + 1, False
-                        deliver([(step - 1, results[-1])])
-                    while not to_end and step < steps_per_epoch and not model.stop_training:
-                        n = min(spe, steps_per_epoch - step)
-                        pool.wait_for_quorum()
-                        callbacks.on_train_batch_begin(step)
-                        with_logs = batch_logs or custom_logs and (
-                            first or step + n == steps_per_epoch)
-                        window.schedule(make_train_function(model, with_logs),
-                                        train_arguments(model, iterator, n),
-                                        step + n - 1, steps=n)
-                        step, first = step + n, False
-                        deliver(window.ready())
-                    if to_end:
-                        deliver_counted(window.drain())
-                        step = done
-                        if not logs:  # no function returning logs ran a step: short data
-                            logs = model.get_metrics_result()
-                    deliver(window.drain())
-                    if synchronous is not None:
-                        synchronous.drain()
-                    epoch_logs = dict(_keras.metrics_result_or_logs(
-                        model, staleness.without_counts(logs)) if custom_logs else (
-                            model.get_metrics_result()))
-                    epoch_logs.update(staleness.epoch_logs(model, step_functions(model)))
-                    epoch_logs[staleness.DROPPED] = dropped
-                    break
-                except tf.errors.OutOfRangeError:
-                    window.abandon()
-                    if epoch == initial_epoch and done == 0 and renewed_at is None:
-                        # Nothing was read: the input is empty (Keras warns and stops).
-                        warnings.warn(
-                            "Your input ran out of data; interrupting training. Make sure "
-                            "that your dataset can generate at least `steps_per_epoch * "
-                            "epochs` batches.", stacklevel=2)
-                        model.stop_training = True
-                        epoch_logs = dict(_keras.metrics_result_or_logs(model, logs))
-                        break
-                    # Training input is repeated, so it cannot run out: a pipeline
-                    # rebuilt after a restart ended. Rebuild them all, once per step.
-                    if renewed_at == (epoch, done):
-                        raise RuntimeError(
-                            f"A worker's training input ended at epoch {epoch + 1} step "
-                            f"{done}, and again after every worker's input pipeline was "
-                            "rebuilt, although kerasps repeats training input: the dataset "
-                            "yields no elements on a later pass (files removed while "
-                            "training?).") from None
-                    _log.warning("A worker's training input ended at epoch %d step %d although "
-                                 "it is repeated (after a restart?); rebuilding every worker's "
-                                 "input pipeline.", epoch + 1, done)
-                    iterator = per_worker.renew_persistent_iterator()
-                    renewed_at, step = (epoch, done), done
-                except BaseException as error:
-                    window.abandon()
-                    retries = retries + 1 if retried_at == (epoch, done) else 0
-                    position = recovery.recover(error, model, backup, epoch, done,
-                                                retried=retries, scheduled=step)
-                    retried_at = (epoch, done)
-                    window.abandon()  # errors of functions that failed meanwhile
-                    # The restored counters are the backup's: `iterations_before` still
-                    # holds, and `position` counts the steps the backup had applied.
-                    rerun += max(0, done - position.step)
-                    if to_end and done > position.step:
-                        _log.warning(
-                            "Epoch %d: the %d step(s) rolled back read exactly-once input that "
-                            "is not read again: this epoch misses their batches.", epoch + 1,
-                            done - position.step)
-                    step = done = position.step
-            if validation is not None and _keras.should_eval(model, epoch, validation_freq):
-                val_logs = validation.run(callbacks=callbacks, verbose=0, return_dict=True)
-                epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
-            history = _keras.history_of(callbacks)
-            _record_epoch_counts(model, history, epoch, iterations_before, step - counted_from,
-                                 rerun)
-            if history is not None:  # the pool at the epoch's end
-                history.history.setdefault("workers", []).append(pool.running_workers)
-            position = Progress(epoch + 1, 0)
-            callbacks.on_epoch_end(epoch, epoch_logs)
-            if backup is not None:
-                backup.save_at_epoch_end()
-            training_logs = epoch_logs
-            if model.stop_training:
-                break
+    training_logs = _EpochLoop(call, runner, recovery.Backup.of(callbacks), validation,
+                               validation_freq).run(model._initial_epoch or initial_epoch,
+                                                    epochs)
     per_worker.reading = False
     if model.optimizer is not None and epochs > 0:
         model.optimizer.finalize_variable_values(model.trainable_weights)
     callbacks.on_train_end(logs=training_logs)
     return model.history
+
+
+class _EpochLoop:
+    """The epochs of one `fit` call: callbacks, backups, recovery from a lost ps task
+    and a repeated input that ended, around the steps `runner` (an
+    `epochs.Epochs`) runs.
+
+    Args:
+        call: the `epochs.FitCall`.
+        runner: the way the call runs its epochs' steps.
+        backup: the call's `recovery.Backup`, or `None`.
+        validation: an `Evaluation` of the `validation_data`, or `None`.
+        validation_freq: as in `keras.Model.fit`.
+    """
+
+    def __init__(self, call, runner, backup, validation, validation_freq):
+        self.call, self.runner, self.backup = call, runner, backup
+        self.model = call.model
+        self.validation, self.validation_freq = validation, validation_freq
+        self.position = None  # between epochs: where the next one starts
+        self.origin = None  # (epoch, optimizer iterations before its first step)
+        self.renewed_at = None  # (epoch, step) where the input pipelines were last rebuilt
+        self.retried_at, self.retries = None, 0  # (epoch, step) of the last recovery; count
+
+    def run(self, initial_epoch, epochs):
+        """Runs epochs `initial_epoch` to `epochs - 1` (from where the latest backup
+        says, for a restarted coordinator); returns the last epoch's logs."""
+        model, callbacks, backup = self.model, self.call.callbacks, self.backup
+        resumed = backup.progress() if backup is not None else None
+        if resumed is not None and resumed.epoch >= initial_epoch:
+            initial_epoch = resumed.epoch
+        self.position = Progress(initial_epoch, resumed.step if (
+            resumed is not None and resumed.epoch == initial_epoch) else 0)
+        training_logs = None
+        with backup.recording(self._backed_up) if backup else contextlib.nullcontext(), (
+                self.call.pool.running()), _tf.quiet_end_of_input() if (
+                    self.call.per_worker.exactly_once) else contextlib.nullcontext():
+            if backup is not None:
+                backup.save()  # there is always a backup to go back to
+            for epoch in range(initial_epoch, epochs):
+                model.reset_metrics()
+                staleness.reset(model, step_functions(model))
+                callbacks.on_epoch_begin(epoch)
+                if self.call.coordinator.tracing:
+                    self.call.coordinator.set_trace_phase("train", model.steps_per_execution)
+                start = self.position.step if self.position.epoch == epoch else 0
+                iterations_before, rerun = iterations_of(model), 0
+                if iterations_before is not None:
+                    self.origin = (epoch, iterations_before - start)
+                self.runner.begin(epoch, start)
+                self.position = None  # the runner's progress from here
+                epoch_logs, rerun = self._epoch(epoch, initial_epoch)
+                if self.validation is not None and _keras.should_eval(
+                        model, epoch, self.validation_freq):
+                    val_logs = self.validation.run(callbacks=callbacks, verbose=0,
+                                                   return_dict=True)
+                    epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+                history = _keras.history_of(callbacks)
+                _record_epoch_counts(model, history, epoch, iterations_before,
+                                     self.runner.scheduled - start, rerun, self.call.pool)
+                self.position = Progress(epoch + 1, 0)
+                callbacks.on_epoch_end(epoch, epoch_logs)
+                if backup is not None:
+                    backup.save_at_epoch_end()
+                training_logs = epoch_logs
+                if model.stop_training:
+                    break
+        return training_logs
+
+    def _epoch(self, epoch, initial_epoch):
+        """Runs the attempts at epoch `epoch` until one completes; returns its logs and
+        the steps run again after restoring a backup."""
+        runner, rerun = self.runner, 0
+        while True:
+            try:
+                return runner.run(), rerun
+            except tf.errors.OutOfRangeError:
+                runner.abandon()
+                done = runner.done
+                if epoch == initial_epoch and done == 0 and self.renewed_at is None:
+                    # Nothing was read: the input is empty (Keras warns and stops).
+                    warnings.warn(
+                        "Your input ran out of data; interrupting training. Make sure "
+                        "that your dataset can generate at least `steps_per_epoch * "
+                        "epochs` batches.", stacklevel=4)
+                    self.model.stop_training = True
+                    return dict(_keras.metrics_result_or_logs(self.model, runner.logs)), rerun
+                # Training input is repeated, so it cannot run out: a pipeline
+                # rebuilt after a restart ended. Rebuild them all, once per step.
+                if self.renewed_at == (epoch, done):
+                    raise RuntimeError(
+                        f"A worker's training input ended at epoch {epoch + 1} step "
+                        f"{done}, and again after every worker's input pipeline was "
+                        "rebuilt, although kerasps repeats training input: the dataset "
+                        "yields no elements on a later pass (files removed while "
+                        "training?).") from None
+                _log.warning("A worker's training input ended at epoch %d step %d although "
+                             "it is repeated (after a restart?); rebuilding every worker's "
+                             "input pipeline.", epoch + 1, done)
+                runner.input_ended()
+                self.renewed_at = (epoch, done)
+                runner.restart(done)
+            except BaseException as error:
+                rerun += self._recover(error, epoch)
+
+    def _recover(self, error, epoch) -> int:
+        """Brings back what a lost ps task held, from the backup (or raises `error`);
+        restarts the epoch's attempt at the backup's step; returns the steps that run
+        again."""
+        runner = self.runner
+        runner.abandon()
+        done = runner.done
+        self.retries = self.retries + 1 if self.retried_at == (epoch, done) else 0
+        position = recovery.recover(error, self.model, self.backup, epoch, done,
+                                    retried=self.retries, scheduled=runner.scheduled)
+        self.retried_at = (epoch, done)
+        runner.abandon()  # errors of functions that failed meanwhile
+        # The restored counters are the backup's: `iterations_before` still holds, and
+        # `position` counts the steps the backup had applied.
+        if self.call.per_worker.exactly_once and done > position.step:
+            _log.warning(
+                "Epoch %d: the %d step(s) rolled back read exactly-once input that is not "
+                "read again: this epoch misses their batches.", epoch + 1,
+                done - position.step)
+        runner.restart(position.step)
+        return max(0, done - position.step)
+
+    def _progress(self) -> Progress:
+        if self.position is not None:
+            return self.position
+        return Progress(self.runner.epoch, self.runner.done)
+
+    def _backed_up(self) -> Progress:
+        """The progress a backup written now records: with repeated input, the steps
+        of the epoch that its weights hold, those applied ahead of the delivered ones
+        included (they are not run again after a restore: each kill repeats at most
+        the steps applied while the weights are read)."""
+        position = self._progress()
+        applied = iterations_of(self.model)
+        if self.call.per_worker.exactly_once or self.origin is None or (
+                self.origin[0] != position.epoch or applied is None):
+            return position
+        ahead = min(applied - self.origin[1], self.call.steps_per_epoch)
+        return Progress(position.epoch, max(position.step, ahead))
