@@ -64,12 +64,17 @@ def _validate_resolver(cluster_resolver):
             )
 
 
-def _warn_of_deleted_variables(paths):
+def _warn_of_deleted_variables(paths, shown=8):
+    """Warns that the Keras variables at `paths` were deleted, naming up to `shown` of
+    them in order (the garbage collector finds them in no order of its own)."""
     if paths:
+        paths = sorted(paths)
+        named = ", ".join(repr(p) for p in paths[:shown]) + (", ..." if len(paths) > shown
+                                                             else "")
         warnings.warn(
             f"{len(paths)} Keras variable(s) created before this strategy connected to the "
-            f"cluster were deleted by the connection and can no longer be used (first: "
-            f"{paths[0]!r}). Create the strategy before models and variables.", stacklevel=3)
+            f"cluster were deleted by the connection and can no longer be used ({named}). "
+            "Create the strategy before models and variables.", stacklevel=3)
 
 
 class _Extended(_tf.ParameterServerStrategyV2Extended):

@@ -154,3 +154,37 @@ def test_update_on_arrival_rejects_what_is_not_a_layer_or_variable():
         kerasps.consistency.update_on_arrival("table")
     with pytest.raises(ValueError, match=r"on_arrival='yes'"):
         kerasps.consistency.update_on_arrival(keras.layers.Dense(2), "yes")
+
+
+def test_custom_loop_sync_steps_apply_row_updates_on_arrival_in_hybrid_mode(make_strategy):
+    strategy = make_strategy(mode="hybrid")
+    x, ids, y = _batches(2)
+    keras.utils.set_random_seed(5)
+    with strategy.scope():
+        model = _model("sgd")
+        optimizer = keras.optimizers.SGD(0.05)
+    single = _model(keras.optimizers.SGD(0.05))
+    single.set_weights(model.get_weights())
+    coordinator = kerasps.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(
+        lambda context: tf.data.Dataset.from_tensors(
+            ((x[context.input_pipeline_id], ids[context.input_pipeline_id]),
+             y[context.input_pipeline_id])).repeat()))
+
+    @tf.function
+    def step(iterator):
+        def replica_fn(batch):
+            (features, id_batch), labels = batch
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(keras.losses.mean_squared_error(
+                    labels, model((features, id_batch))))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return strategy.run(replica_fn, args=(next(iterator),))
+
+    for _ in range(4):
+        assert len(coordinator.sync_step(step, args=(iterator,), optimizer=optimizer)) == 2
+    assert int(optimizer.iterations.numpy()) == 4  # global steps
+    _reference_steps(single, 4, x, ids, y, embedding_scale=2.0)
+    _assert_same(model, single)

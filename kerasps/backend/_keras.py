@@ -196,6 +196,15 @@ def check_apply_uncounted(optimizer):
                 f"{name}={value!r}")
 
 
+def build_for(optimizer, variables):
+    """Builds `optimizer` for the `variables` it trains, as its first `apply` would; a
+    step that updates some of them before any `apply` (hybrid mode) builds it first."""
+    if not optimizer.built:
+        with keras_backend.name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(trained_by(optimizer, variables))
+        optimizer.built = True
+
+
 def apply_uncounted(optimizer, grads, variables):
     """Updates `variables` with `grads` as `optimizer.apply` would (loss-scale factor,
     clipping, weight decay, the update rule, constraints) without counting a step in

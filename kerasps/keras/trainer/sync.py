@@ -188,6 +188,7 @@ def sync_functions(strategy, optimizer, step, num_slots, needed, counter=None):
                 now = [_on_arrival(mode, g, v) if g is not None else False
                        for g, v in zip(grads, variables)]
                 if any(now):  # hybrid: the row updates, applied as they are
+                    _keras.build_for(optimizer, variables)
                     arrived = [g for g, n in zip(grads, now) if n]
                     if read_at is not None:
                         staleness.count(counter, iterations, read_at, arrived)
