@@ -624,9 +624,11 @@ def test_a_short_chaos_run_finishes_with_every_step(tmp_path):
     assert result["code"] == 0, output
     assert 3000 <= result["applied"] <= 3000 + 3 * chaos.EXTRA_PER_KILL
     assert result["finished"]
+    launcher = "\n".join(line for _, line in result["launcher"])
     for kill in result["kills"]:
         assert any(line.startswith(f"[launcher] {kill['task']} exited with signal 9 (SIGKILL); "
-                                   "restart 1 of") for _, line in result["launcher"])
+                                   "restart 1 of") for _, line in result["launcher"]), (
+            kill, launcher)
 
 
 def test_the_chaos_driver_reads_past_a_counter_line_cut_short():

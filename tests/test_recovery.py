@@ -1,5 +1,7 @@
 """The recovery decisions of `fit` after a failure: pure Python, shared with the simulator."""
 
+import os
+
 import pytest
 
 from kerasps.policy.failures import Progress, PsTaskFailedError, Recovery, decide, steps_rolled_back
@@ -51,3 +53,17 @@ def test_unreachable_ps_retries_back_off_past_grpc_reconnects_then_give_up():
     assert delays == sorted(delays) and delays[0] == 0.5 and max(delays) <= 8.0
     assert sum(delays) > 20  # longer than gRPC's reconnect backoff after a ps restart
     assert retry_delay(UNREACHABLE_RETRIES) is None
+
+
+def test_an_unreadable_progress_record_raises_naming_the_backup(tmp_path):
+    import h5py
+    import keras
+
+    from kerasps.keras.trainer.recovery import Backup
+
+    backup = Backup(keras.callbacks.BackupAndRestore(str(tmp_path)))
+    os.makedirs(os.path.dirname(backup.latest), exist_ok=True)
+    with h5py.File(backup.latest, "w") as f:
+        f.attrs["kerasps_progress"] = ""  # as a record cut short would read
+    with pytest.raises(RuntimeError, match=r"unreadable kerasps progress record \(''\)"):
+        backup.progress()

@@ -108,7 +108,16 @@ class Backup:
                 record = f.attrs.get(_PROGRESS)
         except OSError:
             return None
-        return None if record is None else Progress(**json.loads(record))
+        if record is None:
+            return None
+        try:
+            return Progress(**json.loads(record))
+        except (ValueError, TypeError):
+            raise RuntimeError(
+                f"The backup {self.latest} holds an unreadable kerasps progress record "
+                f"({record!r:.200}), so the step to go on from is unknown; restore the "
+                f"previous backup ({self.previous}) by hand or remove the backup directory "
+                "to start over.") from None
 
     def restore(self, model) -> Progress:
         """Loads the latest backup into `model` (the previous one if the latest is
