@@ -3,8 +3,9 @@
 Mechanism and policy are separate. The `Coordinator` owns the mechanism: the
 global step (model version), a dispatch gate that holds workers back during
 checkpoints and recoveries, rollback to the last checkpoint. A dispatch
-policy (`AsyncPolicy`, `SyncPolicy`) decides what a worker's gradient does:
-applied on arrival, or aggregated until a sync step has enough of them.
+policy (`AsyncPolicy`, `SyncPolicy`, `HybridPolicy`) decides what a worker's
+gradient does: applied on arrival, aggregated until a sync step has enough of
+them, or both (hybrid: the row update on arrival, the dense gradient in a step).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from simulator.failures import Abort, Cancel, Restarts
 from simulator.metrics import Metrics
 from simulator.scenario import CheckpointSpec, Mode, TrainingSpec
 
-__all__ = ["Coordinator", "AsyncPolicy", "SyncPolicy", "make_policy", "coordinator"]
+__all__ = ["Coordinator", "AsyncPolicy", "SyncPolicy", "HybridPolicy", "make_policy", "coordinator"]
 
 
 class AsyncPolicy:
@@ -68,15 +69,26 @@ class SyncPolicy:
     starts the next step together. A crashed worker stays a member, so a step
     without enough live workers waits for restarts; permanent losses and
     elastic leaves shrink the quorum.
+
+    With `training.apply_time` or `workers.embedding_time`, the step's apply
+    function then runs (the apply time, plus in sync mode the kept workers' row
+    updates, dequeued from their slots and applied together) before the next
+    step starts, as kerasps schedules it.
     """
 
     mode = Mode.SYNC
+    cancels_late = True  # the simulator's sync policy cancels late workers' work
 
-    def __init__(self, coordinator: Coordinator, backup_workers: int = 0):
+    def __init__(self, coordinator: Coordinator, backup_workers: int = 0,
+                 apply_time: float = 0.0):
         self.coordinator = coordinator
         self.backup_workers = backup_workers
+        self.apply_time = apply_time
         self.received = 0
         self.in_flight = 0
+        self.applying = False  # between a step's last kept gradient and its update
+        self._generation = 0  # bumped by `reset`: an apply in progress is void
+        self._row_seconds = 0.0  # the kept workers' row updates (sync mode)
         self.step_done = coordinator.env.event()
 
     @property
@@ -84,7 +96,7 @@ class SyncPolicy:
         return max(1, self.coordinator.members - self.backup_workers)
 
     def start(self, worker):
-        if worker.pushed == self.coordinator.version:
+        if self.applying or worker.pushed == self.coordinator.version:
             return self.step_done  # already contributed to this step
         self.in_flight += 1
         return None
@@ -92,10 +104,11 @@ class SyncPolicy:
     def push(self, worker, version):
         c = self.coordinator
         self.in_flight -= 1
-        if version != c.version:  # cannot happen with cancellation; kept as a guard
+        if version != c.version or self.applying:  # cannot happen with cancellation
             c.metrics.dropped += 1
             return None
         self.received += 1
+        self._row_seconds += worker.embedding_seconds
         worker.pushed = version
         if self.received >= self.quorum:
             self._complete()
@@ -107,36 +120,116 @@ class SyncPolicy:
         self.in_flight -= 1
 
     def on_membership_change(self):
-        if self.received and self.received >= self.quorum:
+        if self.received and self.received >= self.quorum and not self.applying:
             self._complete()
 
     def reset(self):
         """Forget the partial step (after a rollback) and wake its waiters."""
         self.coordinator.metrics.lost += self.received
         self.received = 0
+        self._row_seconds = 0.0
+        self.applying = False
+        self._generation += 1
         for worker in self.coordinator.workers:
             worker.pushed = None
         self._next_step()
 
+    def _cancel_late(self):
+        if self.in_flight:
+            for worker in self.coordinator.workers:
+                if worker.in_flight:
+                    worker.process.interrupt(Cancel())
+
     def _complete(self):
         c = self.coordinator
         gradients, self.received = self.received, 0
-        if self.in_flight:
-            for worker in c.workers:
-                if worker.in_flight:
-                    worker.process.interrupt(Cancel())
+        rows, self._row_seconds = self._row_seconds, 0.0
+        if self.cancels_late:
+            self._cancel_late()
+        delay = self.apply_time + (rows if self.mode is Mode.SYNC else 0.0)
+        if delay > 0:
+            self.applying = True
+            c.env.process(self._apply_after(delay, gradients, self._generation))
+            return
         self._next_step()
         c.apply(gradients)
+
+    def _apply_after(self, delay: float, gradients: int, generation: int):
+        yield self.coordinator.env.timeout(delay)
+        if generation != self._generation:  # rolled back meanwhile
+            return
+        self.applying = False
+        self._next_step()
+        self.coordinator.apply(gradients)
 
     def _next_step(self):
         done, self.step_done = self.step_done, self.coordinator.env.event()
         done.succeed()
 
 
+class HybridPolicy(SyncPolicy):
+    """Hybrid training (kerasps' `mode="hybrid"`): the dense gradients make global steps
+    as in `SyncPolicy`, and each worker's row update is applied when its step ends.
+
+    As in kerasps, a late worker is not cancelled: it finishes its step, its row update
+    is applied (`Metrics.row_updates`, with its staleness in global steps) and its dense
+    gradient is dropped. A worker that was busy when a step started joins it only if
+    the step would be short of gradients without it (kerasps schedules the step's
+    function behind it then); otherwise it waits for the next step.
+    """
+
+    mode = Mode.HYBRID
+    cancels_late = False
+
+    def __init__(self, coordinator: Coordinator, backup_workers: int = 0,
+                 apply_time: float = 0.0):
+        super().__init__(coordinator, backup_workers, apply_time)
+        self.current = 0  # workers computing the current step
+
+    def start(self, worker):
+        c = self.coordinator
+        if self.applying or worker.pushed == c.version:
+            return self.step_done
+        if worker.missed == c.version and self.received + self.current >= self.quorum:
+            return self.step_done  # busy when the step started, and not needed
+        self.in_flight += 1
+        self.current += 1
+        return None
+
+    def push(self, worker, version):
+        c = self.coordinator
+        m = c.metrics
+        m.row_updates += 1  # applied on arrival, whatever becomes of the dense gradient
+        m.staleness.append(c.version - version)
+        self.in_flight -= 1
+        if version != c.version or self.applying:
+            m.dropped += 1  # its dense gradient: the step it was for has its quorum
+            worker.missed = c.version
+            return None
+        self.current -= 1
+        self.received += 1
+        worker.pushed = version
+        if self.received >= self.quorum:
+            self._complete()
+            return None
+        return self.step_done
+
+    def lost(self, worker):
+        super().lost(worker)
+        if worker.version == self.coordinator.version and not self.applying:
+            self.current -= 1
+
+    def _next_step(self):
+        self.current = 0
+        super()._next_step()
+
+
 def make_policy(coordinator: Coordinator, training: TrainingSpec):
     """The dispatch policy for `training.mode`."""
     if training.mode is Mode.SYNC:
-        return SyncPolicy(coordinator, training.backup_workers)
+        return SyncPolicy(coordinator, training.backup_workers, training.apply_time)
+    if training.mode is Mode.HYBRID:
+        return HybridPolicy(coordinator, training.backup_workers, training.apply_time)
     return AsyncPolicy(coordinator, training.max_staleness)
 
 

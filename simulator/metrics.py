@@ -26,7 +26,9 @@ class Metrics:
         dropped_step_times: the drawn duration of each step that backup workers made a
             worker drop (cancelled in flight), when it is known: steps that queue for ps
             tasks or a shared CPU have none.
-        staleness: staleness of each applied gradient (async).
+        staleness: staleness of each applied gradient (async), or of each row update
+            in global steps (hybrid).
+        row_updates: hybrid: worker row updates applied (a late worker's included).
         step_ends: time of each kept global step.
         step_work: for each kept global step, the seconds it took: since the previous
             global step, or since training resumed after a checkpoint pause or a recovery.
@@ -48,6 +50,7 @@ class Metrics:
         self.step_times: list[float] = []
         self.dropped_step_times: list[float] = []
         self.staleness: list[int] = []
+        self.row_updates = 0
         self.step_ends: list[float] = []
         self.step_work: list[float] = []
         self.rolled_back_steps = 0
@@ -76,7 +79,7 @@ class Result:
 
     Attributes:
         name: scenario name.
-        mode: `"async"` or `"sync"`.
+        mode: `"async"`, `"sync"` or `"hybrid"`.
         seed: the seed that reproduces it.
         num_workers: workers at the start.
         batch_size: examples per worker step.
@@ -102,7 +105,11 @@ class Result:
         step_times: durations of completed worker steps (NumPy array).
         dropped_step_times: drawn durations of the steps backup workers made others
             drop, where known (NumPy array; see `Metrics`).
-        staleness: staleness of applied gradients (NumPy array, async).
+        staleness: staleness of applied gradients (NumPy array, async), or of the
+            row updates in global steps (hybrid).
+        row_updates: worker row updates in the embedding tables: the gradients applied
+            (async, sync), or every worker step that ended (hybrid, whose late workers'
+            row updates are applied while their dense gradients are dropped).
         step_ends: time of each kept global step (NumPy array).
         step_work: seconds each kept global step took, pauses excluded (NumPy array).
         events: per worker step `(worker, start, end, version, outcome)`, if recorded.
@@ -137,6 +144,7 @@ class Result:
     step_work: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0), repr=False)
     events: list | None = dataclasses.field(default=None, repr=False)
     table: dict | None = None
+    row_updates: int = 0
 
     @property
     def steps_per_second(self) -> float:
@@ -196,6 +204,7 @@ class Result:
             "gradients_applied": self.gradients_applied,
             "gradients_dropped": self.gradients_dropped,
             "gradients_lost": self.gradients_lost,
+            "row_updates": self.row_updates,
             "goodput": self.goodput,
             "applied_fraction": self.applied_fraction,
             "rolled_back_steps": self.rolled_back_steps,
@@ -278,6 +287,9 @@ class Result:
             line("global step interval", f"p50 {interval['p50']:.4f} s, p99 "
                                          f"{interval['p99']:.4f} s"),
         ]
+        if self.mode == "hybrid":
+            lines.append(line("row updates", f"{s['row_updates']:,}  (applied on arrival, "
+                                             "late workers' included)"))
         if self.staleness.size:
             lines.append(line("staleness", f"mean {s['staleness']['mean']:.2f}, "
                                            f"p99 {s['staleness']['p99']:.0f}"))

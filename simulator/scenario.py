@@ -12,10 +12,15 @@ batch_size = 64
 step_time = { distribution = "shifted_exponential", shift = 0.05, rate = 20.0 }
 
 [training]
-mode = "sync"          # or "async"
+mode = "sync"          # or "async", or "hybrid"
 steps = 2000           # global steps (model updates)
 backup_workers = 2
 ```
+
+A hybrid scenario gives the embedding part of a worker step its own cost
+(`workers.embedding_time`), and sync and hybrid scenarios the apply function's
+(`training.apply_time`): see `WorkersSpec` and `TrainingSpec` for where each mode
+spends them.
 
 and optionally `[stragglers]`, `[ps]`, `[network]`, `[model]`, `[checkpoint]`,
 `[failures]`, `[elastic]`, `[host]` and `[table]` (see the `*Spec` classes for
@@ -91,11 +96,22 @@ class WorkersSpec:
         count: number of workers at the start.
         step_time: distribution of one step's compute time, in seconds.
         batch_size: examples per worker step (for examples/s).
+        embedding_time: `None`, or the distribution of the seconds one worker step
+            spends on its embedding tables' row update (the apply of its rows on the ps
+            tasks), besides `step_time` (the dense part: forward, backward, the dense
+            gradient). Where it is spent depends on `training.mode`, as in kerasps:
+            async and hybrid: in the worker step, which applies its row update itself
+            (hybrid: a late worker's too, whose dense gradient is dropped); sync: in the
+            global step's apply function, which applies the row updates of the kept
+            gradients one after the other (they wait in slot queues on the ps tasks
+            until then), so the kept workers' drawn `embedding_time`s add up there.
+            It is ps work: `[stragglers]` (a slow worker's compute) does not scale it.
     """
 
     count: int
     step_time: Distribution
     batch_size: int = 1
+    embedding_time: Distribution | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,11 +217,17 @@ class TrainingSpec:
     """`[training]`: the dispatch policy and the length of the run.
 
     Attributes:
-        mode: `Mode.ASYNC` or `Mode.SYNC`.
+        mode: `Mode.ASYNC`, `Mode.SYNC` or `Mode.HYBRID` (dense gradients in global
+            steps as in sync mode, each worker's row update applied when its step ends,
+            a late worker's included, as in async mode; see `workers.embedding_time`).
         steps: global steps (model updates) to reach.
-        backup_workers: in sync mode, gradients a step does not wait for.
+        backup_workers: in sync and hybrid modes, gradients a step does not wait for.
         max_staleness: in async mode, gradients staler than this are dropped.
         max_time: stop after this many simulated seconds even if unfinished.
+        apply_time: sync and hybrid: seconds the apply function of a global step takes
+            (averaging the kept dense gradients on the ps tasks and applying the mean),
+            once a step has its gradients and before the next step starts; in sync mode
+            the kept row updates' `workers.embedding_time` adds to it.
     """
 
     mode: Mode = Mode.ASYNC
@@ -213,6 +235,7 @@ class TrainingSpec:
     backup_workers: int = 0
     max_staleness: int | None = None
     max_time: float = math.inf
+    apply_time: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,6 +467,17 @@ def _duplex_efficiency(n: Table):
     return dist
 
 
+def _embedding_time(w: Table, base_dir: str | None) -> Distribution | None:
+    """`workers.embedding_time`: seconds (a number) or a distribution table; `None` if
+    absent or 0."""
+    if not w.has("embedding_time"):
+        return None
+    if isinstance(w.raw("embedding_time"), dict):
+        return distributions.from_table(w.table("embedding_time"), base_dir)
+    seconds = w.number("embedding_time", non_negative=True)
+    return distributions.Constant(seconds) if seconds else None
+
+
 def _parse(data: dict, source: str | None, base_dir: str | None) -> Scenario:
     top = Table(data, "", source)
     name = top.string("name", "scenario")
@@ -453,7 +487,8 @@ def _parse(data: dict, source: str | None, base_dir: str | None) -> Scenario:
     w = top.table("workers")
     step_time = distributions.from_table(w.table("step_time"), base_dir)
     workers = WorkersSpec(count=w.integer("count", minimum=1), step_time=step_time,
-                          batch_size=w.integer("batch_size", 1, minimum=1))
+                          batch_size=w.integer("batch_size", 1, minimum=1),
+                          embedding_time=_embedding_time(w, base_dir))
     w.finish()
 
     s = top.table("stragglers", {})
@@ -612,14 +647,25 @@ def _parse_training(t: Table, num_workers: int) -> TrainingSpec:
         backup_workers=t.integer("backup_workers", 0, minimum=0),
         max_staleness=t.integer("max_staleness", None, minimum=0),
         max_time=t.number("max_time", math.inf, positive=True, allow_inf=True),
+        apply_time=t.number("apply_time", 0.0, non_negative=True),
     )
-    if training.backup_workers and training.mode is not Mode.SYNC:
+    if training.backup_workers and training.mode is Mode.ASYNC:
         raise t.error("backup_workers", training.backup_workers,
-                      'backup workers need `training.mode = "sync"`')
+                      'backup workers need `training.mode = "sync"` or `"hybrid"`')
+    if training.apply_time and training.mode is Mode.ASYNC:
+        raise t.error("apply_time", training.apply_time,
+                      "an async step applies its own gradient (its cost is in "
+                      '`workers.step_time`); apply functions need `training.mode = "sync"` '
+                      'or `"hybrid"`')
     if training.backup_workers >= num_workers:
         raise t.error("backup_workers", training.backup_workers,
                       f"it must be less than `workers.count` ({num_workers}), since a step "
                       "aggregates `workers.count - backup_workers` gradients")
+    if training.max_staleness is not None and training.mode is Mode.HYBRID:
+        raise t.error("max_staleness", training.max_staleness,
+                      "in hybrid mode a row update is at most the global steps its worker "
+                      "took behind, and kerasps rejects a bound there; it needs "
+                      '`training.mode = "async"`')
     if training.max_staleness is not None and training.mode is not Mode.ASYNC:
         raise t.error("max_staleness", training.max_staleness,
                       'a staleness bound needs `training.mode = "async"`')

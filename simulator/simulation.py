@@ -15,7 +15,7 @@ from simulator.coordinator import Coordinator, coordinator
 from simulator.metrics import Metrics, Result
 from simulator.network import Network
 from simulator.ps import ParameterServer, place_variables, ps
-from simulator.scenario import Scenario, Target
+from simulator.scenario import Mode, Scenario, Target
 from simulator.table import predict_load
 from simulator.worker import Worker, step_durations, worker
 
@@ -23,7 +23,7 @@ __all__ = ["Cluster", "run"]
 
 # Independent random streams, so that e.g. enabling failures does not change step times.
 _WORKER_STREAM, _FAILURE_STREAM, _ELASTIC_STREAM, _CPU_STREAM = 0, 1, 2, 3
-_PS_LINK_STREAM, _WORKER_LINK_STREAM = 4, 5
+_PS_LINK_STREAM, _WORKER_LINK_STREAM, _EMBEDDING_STREAM = 4, 5, 6
 
 
 class Cluster:
@@ -97,7 +97,12 @@ class Cluster:
             links = link_lib.duplex(self.env, s.network.worker_bandwidth,
                                     s.network.duplex_efficiency,
                                     self.rng(_WORKER_LINK_STREAM, index))
-        w = Worker(index, durations, self._extra(index, links))
+        embeddings = None
+        if s.workers.embedding_time is not None:
+            embeddings = step_durations(s.workers.embedding_time,
+                                        self.rng(_EMBEDDING_STREAM, index))
+        w = Worker(index, durations, self._extra(index, links), embeddings,
+                   embedding_in_step=s.training.mode is not Mode.SYNC)
         self.coordinator.workers.append(w)
         self.coordinator.join(w)
         w.process = self.env.process(worker(self.env, w, self.coordinator))
@@ -251,6 +256,7 @@ class Cluster:
             name=s.name, mode=s.training.mode.value, seed=s.seed,
             num_workers=s.workers.count, batch_size=s.workers.batch_size,
             elapsed=elapsed, finished=finished, steps=c.version,
+            row_updates=m.row_updates if s.training.mode is Mode.HYBRID else m.applied,
             worker_steps=m.applied + m.dropped + m.lost, gradients_applied=m.applied,
             gradients_dropped=m.dropped, gradients_lost=m.lost,
             rolled_back_steps=m.rolled_back_steps,

@@ -61,12 +61,26 @@ class Worker:
         completed: steps it finished.
         extra: `None`, or a generator function run after the compute delay
             (ps transfers under contention, the shared CPU of `[host]`).
+        embeddings: `None`, or an iterator of the seconds of its steps' row updates
+            (`workers.embedding_time`).
+        embedding_in_step: whether a row update's seconds are part of the worker step
+            (async and hybrid) rather than of the global step's apply (sync).
+        embedding_seconds: the row update's seconds of its latest step.
+        version: the global step its latest step read.
+        missed: hybrid: the global step that was current when its latest gradient
+            came too late for its own (`None` if it never did).
     """
 
-    def __init__(self, index: int, durations, extra=None):
+    def __init__(self, index: int, durations, extra=None, embeddings=None,
+                 embedding_in_step: bool = True):
         self.index = index
         self.durations = durations
         self.extra = extra
+        self.embeddings = embeddings
+        self.embedding_in_step = embedding_in_step
+        self.embedding_seconds = 0.0
+        self.version = None
+        self.missed = None
         self.up = True
         self.in_flight = False
         self.pushed = None
@@ -96,11 +110,15 @@ def worker(env: simpy.Environment, w: Worker, coordinator):
             if wait is not None:
                 yield wait
                 continue
-            version = c.version
+            version = w.version = c.version
             w.in_flight = True
             metrics.executed += 1
             start = env.now
             drawn = next(durations)
+            if w.embeddings is not None:
+                w.embedding_seconds = next(w.embeddings)
+                if w.embedding_in_step:
+                    drawn += w.embedding_seconds
             yield env.timeout(drawn)
             if w.extra is not None:
                 yield from w.extra()

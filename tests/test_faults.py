@@ -151,7 +151,7 @@ def test_worker_killed_mid_fit_without_an_agent(tmp_path, back_after):
 # Synchronous training: one update per global step, whatever the workers do.
 SYNC_CHIEF = CHIEF_SETUP.replace("OPTIMIZER", "keras.optimizers.SGD(0.01)").replace(
     "kerasps.cluster.from_tf_config())",
-    "kerasps.cluster.from_tf_config(), mode='sync', backup_workers=BACKUPS)") + """
+    "kerasps.cluster.from_tf_config(), mode='MODE', backup_workers=BACKUPS)") + """
     trained = itertools.count(1)
     progress = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: say("train batch", next(trained)))
@@ -162,12 +162,22 @@ SYNC_CHIEF = CHIEF_SETUP.replace("OPTIMIZER", "keras.optimizers.SGD(0.01)").repl
 """
 
 
-@pytest.mark.parametrize("backups", [0, 1])
-def test_worker_killed_mid_sync_fit_never_deadlocks_a_step(tmp_path, backups):
+def _on_arrival_in_hybrid(chief, mode):
+    """In hybrid mode, the chief's first layer (of a dense model) updates on arrival."""
+    if mode != "hybrid":
+        return chief
+    return chief.replace("    trained = itertools.count(1)", (
+        "    kerasps.consistency.update_on_arrival(model.layers[0])\n"
+        "    trained = itertools.count(1)"), 1)
+
+
+@pytest.mark.parametrize("mode, backups", [("sync", 0), ("sync", 1), ("hybrid", 1)])
+def test_worker_killed_mid_sync_fit_never_deadlocks_a_step(tmp_path, mode, backups):
     """A gradient lost with its worker is computed again by another worker (or the
     step completes from the others with a backup); every global step applies once."""
-    job = launch(tmp_path, SYNC_CHIEF.replace("BACKUPS", str(backups)), "--workers", "2",
-                 "--ps", "1", "--max-restarts", "3")
+    chief = _on_arrival_in_hybrid(
+        SYNC_CHIEF.replace("BACKUPS", str(backups)).replace("MODE", mode), mode)
+    job = launch(tmp_path, chief, "--workers", "2", "--ps", "1", "--max-restarts", "3")
     try:
         job.wait_for(r"\[chief 0\] train batch 80$")
         job.kill("worker 1")
@@ -372,10 +382,11 @@ PS_RECOVERY_CHIEF = CHIEF_SETUP.replace("OPTIMIZER", "keras.optimizers.Adam(0.01
 """
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize("mode", ["async", "sync", "hybrid"])
 def test_ps_killed_mid_fit_is_restored_from_the_backup_inside_the_same_fit(tmp_path, mode):
-    chief = PS_RECOVERY_CHIEF.replace("kerasps.cluster.from_tf_config())",
-                                      f"kerasps.cluster.from_tf_config(), mode={mode!r})")
+    chief = _on_arrival_in_hybrid(PS_RECOVERY_CHIEF.replace(
+        "kerasps.cluster.from_tf_config())", f"kerasps.cluster.from_tf_config(), mode={mode!r})"),
+        mode)
     job = launch(tmp_path, chief, "--workers", "2", "--ps", "2", "--max-restarts",
                  "2", args=[str(tmp_path / "backup")])
     try:

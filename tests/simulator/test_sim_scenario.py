@@ -43,10 +43,12 @@ step_time = { distribution = "exponential", rate = 1.0 }
      "Invalid value for `training.backup_workers` in scenario.toml: it must be less than "
      "`workers.count` (4)"),
     ("[training]\nmode = 'sideways'\n",
-     "Invalid value for `training.mode` in scenario.toml: expected one of ['async', 'sync']. "
+     "Invalid value for `training.mode` in scenario.toml: expected one of ['async', 'sync', "
+     "'hybrid']. "
      "Received: training.mode='sideways'"),
     ("[training]\nsteps = 0\n", "Received: training.steps=0"),
-    ("[training]\nbackup_workers = 1\n", 'backup workers need `training.mode = "sync"`'),
+    ("[training]\nbackup_workers = 1\n",
+     'backup workers need `training.mode = "sync"` or `"hybrid"`'),
     ("[training]\nmode = 'sync'\nmax_staleness = 3\n", "Received: training.max_staleness=3"),
     ("[ps]\nservice_rate = -5.0\n",
      "Invalid value for `ps.service_rate` in scenario.toml: it must be positive. "
