@@ -127,6 +127,18 @@ def test_building_a_strategy_on_an_in_process_cluster_prints_no_session_config()
         assert text not in result.stderr, result.stderr[-3000:]
 
 
+def test_a_program_that_logs_at_info_gets_none_of_tensorflows_python_info_lines():
+    """TensorFlow's strategy logs at INFO through its Python logger ("ParameterServerStrategy
+    is now connecting to cluster ..."): a program (or a notebook) logging at INFO got them."""
+    program = IN_PROCESS_STRATEGY.replace('print("built", flush=True)', (
+        'logging.getLogger("mine").info("my own line")\n    print("built", flush=True)'))
+    result = run_program(program)
+    assert "INFO:mine:my own line" in result.stderr  # the program's own INFO lines stay
+    assert "INFO:tensorflow" not in result.stderr, result.stderr[-3000:]
+    shown = run_program(program, env={"KERASPS_TF_LOGS": "1"})
+    assert "INFO:tensorflow:ParameterServerStrategy is now connecting" in shown.stderr
+
+
 # -- the switch, and a level the user set ---------------------------------------------------
 SERVERS = """
     import os, sys

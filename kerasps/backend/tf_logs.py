@@ -26,6 +26,10 @@ unless `KERASPS_TF_LOGS=1`:
 * drops the `default session config: ...` record that TensorFlow logs at INFO through
   absl's Python logger (a `ConfigProto` dump) each time a process connects to a cluster,
   for programs that log at INFO.
+* sets TensorFlow's Python logger (`tf.get_logger()`, the `tensorflow` logger) to
+  WARNING unless its level was set: its strategy's INFO lines ("ParameterServerStrategy
+  is now connecting to cluster ...", "Waiting for all global closures to be finished")
+  reached programs that log at INFO, and every notebook (Jupyter logs at INFO).
 
 With `KERASPS_TF_LOGS=1`, kerasps changes none of this (`kerasps launch` also keeps the
 start-up lines in its tasks' output, as with `--tf-logs`).
@@ -103,6 +107,7 @@ def quiet(environ=None):
             environ[LEVEL_ENV] = QUIET_LEVEL
             _SET_HERE = environ is os.environ
         _drop_session_config_dumps()
+        _tensorflow_logger_at_warning()
         if "tensorflow" in sys.modules:  # loaded before kerasps: its start-up lines are out
             if user_level is None:
                 set_min_log_level(int(QUIET_LEVEL))
@@ -133,6 +138,12 @@ class _NoSessionConfig(logging.Filter):
     def filter(self, record):
         return not (isinstance(record.msg, str)
                     and record.msg.startswith("default session config:"))
+
+
+def _tensorflow_logger_at_warning():
+    logger = logging.getLogger("tensorflow")
+    if logger.level == logging.NOTSET:  # a level the user set wins
+        logger.setLevel(logging.WARNING)
 
 
 def _drop_session_config_dumps():
