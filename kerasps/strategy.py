@@ -23,7 +23,7 @@ import weakref
 
 import tensorflow as tf
 
-from kerasps.backend import _keras, _tf
+from kerasps.backend import _keras, _tf, tf_logs
 from kerasps.keras import hooks
 from kerasps.keras.trainer.sync import SyncSteps
 from kerasps.params import sparse as sparse_lib
@@ -274,6 +274,7 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         num_ps = len(cluster_resolver.cluster_spec().as_dict()["ps"])
         placement_lib.get_placer(placement, num_ps)  # validate before connecting
         hooks.install()
+        tf_logs.quiet_tensorflow_logger()  # TensorFlow's strategy logs at INFO from here
         first_connection = not _tf.connected()
         _tf.forget_functions_of_earlier_connections()
         super().__init__(cluster_resolver, variable_partitioner=None)

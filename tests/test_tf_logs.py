@@ -139,6 +139,23 @@ def test_a_program_that_logs_at_info_gets_none_of_tensorflows_python_info_lines(
     assert "INFO:tensorflow:ParameterServerStrategy is now connecting" in shown.stderr
 
 
+def test_an_interactive_session_gets_none_of_tensorflows_python_info_lines():
+    """In an interactive session (a notebook's kernel, `python -i`) TensorFlow sets its
+    logger to INFO, printed on stdout."""
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("TF_CPP_MIN_LOG_LEVEL", "KERASPS_TF_LOGS")}
+    program = textwrap.dedent("""
+        import kerasps
+        strategy = kerasps.ParameterServerStrategy(
+            kerasps.cluster.in_process(num_workers=1, num_ps=1))
+        print("built", flush=True)
+    """)
+    result = subprocess.run([sys.executable, "-i", "-c", program], input="",
+                            capture_output=True, text=True, timeout=DEADLINE, env=environ)
+    assert "built" in result.stdout, result.stderr[-3000:]
+    assert "INFO:tensorflow" not in result.stdout + result.stderr, result.stdout[-3000:]
+
+
 # -- the switch, and a level the user set ---------------------------------------------------
 SERVERS = """
     import os, sys

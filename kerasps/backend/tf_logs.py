@@ -27,9 +27,10 @@ unless `KERASPS_TF_LOGS=1`:
   absl's Python logger (a `ConfigProto` dump) each time a process connects to a cluster,
   for programs that log at INFO.
 * sets TensorFlow's Python logger (`tf.get_logger()`, the `tensorflow` logger) to
-  WARNING unless its level was set: its strategy's INFO lines ("ParameterServerStrategy
-  is now connecting to cluster ...", "Waiting for all global closures to be finished")
-  reached programs that log at INFO, and every notebook (Jupyter logs at INFO).
+  WARNING, here and again when a strategy is made, unless its level was set (INFO in an
+  interactive session counts as TensorFlow's own: it sets it there): its strategy's INFO
+  lines ("ParameterServerStrategy is now connecting to cluster ...", "Waiting for all
+  global closures to be finished") reached programs that log at INFO and every notebook.
 
 With `KERASPS_TF_LOGS=1`, kerasps changes none of this (`kerasps launch` also keeps the
 start-up lines in its tasks' output, as with `--tf-logs`).
@@ -107,7 +108,7 @@ def quiet(environ=None):
             environ[LEVEL_ENV] = QUIET_LEVEL
             _SET_HERE = environ is os.environ
         _drop_session_config_dumps()
-        _tensorflow_logger_at_warning()
+        quiet_tensorflow_logger(environ)
         if "tensorflow" in sys.modules:  # loaded before kerasps: its start-up lines are out
             if user_level is None:
                 set_min_log_level(int(QUIET_LEVEL))
@@ -140,9 +141,18 @@ class _NoSessionConfig(logging.Filter):
                     and record.msg.startswith("default session config:"))
 
 
-def _tensorflow_logger_at_warning():
-    logger = logging.getLogger("tensorflow")
-    if logger.level == logging.NOTSET:  # a level the user set wins
+def quiet_tensorflow_logger(environ=None):
+    """Sets TensorFlow's Python logger to WARNING, unless `KERASPS_TF_LOGS=1` or the user
+    set its level. `quiet()` calls it when TensorFlow is loaded, and a strategy when it is
+    made (TensorFlow sets INFO when it makes the logger in an interactive session)."""
+    environ = os.environ if environ is None else environ
+    tensorflow = sys.modules.get("tensorflow")
+    if wanted(environ) or tensorflow is None:
+        return
+    logger = tensorflow.get_logger()  # made as TensorFlow makes it
+    tensorflows_own = logger.level == logging.INFO and (
+        hasattr(sys, "ps1") or sys.flags.interactive)
+    if logger.level == logging.NOTSET or tensorflows_own:  # a level the user set wins
         logger.setLevel(logging.WARNING)
 
 
