@@ -42,12 +42,8 @@ import sys
 import tempfile
 import time
 
-# Run as a script, this folder comes first on `sys.path`, where `keras_rs.py` (another
-# benchmark) would hide the `keras_rs` package that kerasps imports: the repository
-# root instead.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+# The repository's root, for `simulator` and `tests` run from a checkout.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 WORKERS = 4
 BATCH = 256

@@ -192,6 +192,11 @@ def test_initial_values_depend_on_the_key_and_seed_only():
                               embeddings_initializer=keras.initializers.RandomNormal(0, 1))
     values = normal(tf.constant([1], tf.int64), training=True).numpy()
     assert abs(values.mean()) < 0.1 and 0.9 < values.std() < 1.1
+    truncated = DynamicEmbedding(2000, capacity=4, num_partitions=1,
+                                 embeddings_initializer=keras.initializers.TruncatedNormal(0, 1))
+    values = truncated(tf.constant([1], tf.int64), training=True).numpy()
+    assert np.abs(values).max() <= 2.0  # within two standard deviations
+    assert abs(values.mean()) < 0.1 and 0.8 < values.std() < 0.93  # 0.88 for N(0, 1) cut at 2
 
 
 def test_string_ids_are_hashed_to_64_bit_keys():

@@ -485,3 +485,101 @@ def test_a_table_the_partitioner_leaves_whole_still_trains_lazily_with_its_own_o
     adam = rs_tables.table_optimizers(model.get_layer("embedding"))["users"]
     momentum = next(v for v in adam.variables if v.path.endswith("_momentum")).numpy()
     assert not momentum[sorted(set(range(ROWS)) - set(touched))].any()  # lazy
+
+
+# -- fit with BackupAndRestore, hybrid mode --------------------------------------------------
+
+def batches_fn(context):
+    """The three batches, over and over (each worker from its own start)."""
+    shift = context.input_pipeline_id % len(BATCHES)
+    order = BATCHES[shift:] + BATCHES[:shift]
+    features = {name: np.stack([f[name] for f, _ in order]) for name in ("item", "user")}
+    labels = np.stack([labels for _, labels in order])
+    return tf.data.Dataset.from_tensor_slices((features, labels)).repeat()
+
+
+class FailAtEpoch(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("preempted")
+
+
+class StateAtTrainBegin(keras.callbacks.Callback):
+    """The tables and their optimizers' variables once the callbacks before it ran
+    `on_train_begin` (`BackupAndRestore` restores there)."""
+
+    def on_train_begin(self, logs=None):
+        self.state = whole_table_state(self.model)
+
+
+def test_backup_and_restore_resumes_fit_with_the_tables_and_their_optimizers_slots(
+        make_strategy, tmp_path):
+    def configs():
+        return feature_configs(keras.optimizers.Adam(0.1), keras.optimizers.Adagrad(0.5))
+
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with two_shards(make_strategy).scope():
+        model = build(configs(), keras.optimizers.Adam(0.05))
+    with pytest.raises(RuntimeError, match="preempted"):
+        model.fit(kerasps.DatasetCreator(batches_fn), epochs=4, steps_per_epoch=3, verbose=0,
+                  callbacks=[backup, FailAtEpoch(2)])
+    saved = whole_table_state(model)  # as the backup of epoch 1's end holds it
+    adam = rs_tables.table_optimizers(model.get_layer("embedding"))["items"]
+    assert int(adam.iterations.numpy()) == 6
+    assert np.abs(saved["items:embedding_items_embeddings_momentum"]).max() > 0
+
+    # A new model, another number of shards: fit restores the backup and goes on.
+    with make_strategy(variable_partitioner=kerasps.partitioners.FixedShardsPartitioner(3)
+                       ).scope():
+        resumed = build(configs(), keras.optimizers.Adam(0.05))
+    fresh = whole_table_state(resumed)
+    restored = StateAtTrainBegin()
+    epochs_run = []
+    resumed.fit(kerasps.DatasetCreator(batches_fn), epochs=4, steps_per_epoch=3, verbose=0,
+                callbacks=[backup, restored, keras.callbacks.LambdaCallback(
+                    on_epoch_begin=lambda epoch, logs: epochs_run.append(epoch))])
+
+    assert epochs_run == [2, 3]
+    assert sorted(restored.state) == sorted(saved)
+    for key, value in saved.items():
+        np.testing.assert_array_equal(restored.state[key], value, err_msg=key)
+        if key.endswith(("_momentum", "_velocity", "_accumulator")) or ":" not in key:
+            assert not np.array_equal(fresh[key], value), key  # restored, not left as made
+    optimizers = rs_tables.table_optimizers(resumed.get_layer("embedding"))
+    assert [int(optimizers[n].iterations.numpy()) for n in ("items", "users")] == [12, 12]
+    assert int(resumed.optimizer.iterations.numpy()) == 12
+
+
+@pytest.mark.parametrize("mode", ["sync", "hybrid"])
+def test_sync_and_hybrid_modes_hand_the_tables_gradients_to_their_own_optimizers(
+        make_strategy, mode):
+    """Sync: each global step's mean gradient of a table, once. Hybrid: each worker's row
+    update as it arrives (`kerasps.backend._keras.apply_uncounted`), two per global step."""
+    strategy = make_strategy(mode=mode,
+                             variable_partitioner=kerasps.partitioners.FixedShardsPartitioner(2))
+    with strategy.scope():
+        model = build(feature_configs(keras.optimizers.SGD(0.0), keras.optimizers.Adagrad(0.5)),
+                      keras.optimizers.SGD(0.1))
+    before_items, before_users = table(model, "items"), table(model, "users")
+    before_dense = dense_weights(model)
+
+    history = model.fit(kerasps.DatasetCreator(batches_fn), epochs=1, steps_per_epoch=4,
+                        verbose=0)
+
+    np.testing.assert_array_equal(table(model, "items"), before_items)  # learning rate 0
+    moved = np.abs(table(model, "users") - before_users).max(axis=1) > 0
+    touched = sorted({int(u) for features, _ in BATCHES for u in features["user"]})
+    assert np.flatnonzero(moved).tolist() == touched
+    assert all(np.abs(a - b).max() > 1e-4 for a, b in zip(dense_weights(model), before_dense))
+    assert int(model.optimizer.iterations.numpy()) == 4  # global steps
+    assert history.history["dropped_gradients"] == [0]
+    optimizers = rs_tables.table_optimizers(model.get_layer("embedding"))
+    updates = {"sync": 4, "hybrid": 8}[mode]
+    assert [int(optimizers[n].iterations.numpy()) for n in ("items", "users")] == [updates] * 2
+    # The model's optimizer holds no slot of a table.
+    assert not [v.path for v in model.optimizer.variables if "embeddings" in v.path]
+

@@ -325,3 +325,80 @@ def test_dynamic_tutorial_simulator_predicts_the_hit_rate(dynamic_tutorial):
     predicted, measured = map(float, re.search(
         r"hit rate: simulator ([\d.]+), measured \(mean of epochs 2-8\) ([\d.]+)", text).groups())
     assert abs(predicted - measured) < 0.03
+
+
+KERAS_RS_TUTORIAL = "08_keras_rs.ipynb"
+
+
+@pytest.fixture(scope="module")
+def keras_rs_tutorial():
+    pytest.importorskip("keras_rs")  # in the `test` extra
+    return run_notebook(KERAS_RS_TUTORIAL, timeout=600)
+
+
+@pytest.mark.notebook
+def test_keras_rs_tutorial_places_each_table_and_its_optimizers_slots_on_the_ps_tasks(
+        keras_rs_tutorial):
+    report = _stdout_of(keras_rs_tutorial, "placement")
+    for table in ("users", "movies"):
+        shards = re.findall(rf"^embedding/{table}/embeddings/part_(\d) .* (\d)$", report, re.M)
+        assert sorted(shards) == [("0", "0"), ("1", "1")], report
+    assert re.search(r"^adagrad/embedding_users_embeddings_part_1_accumulator .* 1$", report,
+                     re.M)
+    text = _stdout_of(keras_rs_tutorial, "tables")
+    assert "users: Adagrad | shards on ps tasks [0, 1] | its slots on ps tasks [0, 1]" in text
+    assert "movies: Adam | shards on ps tasks [0, 1] | its slots on ps tasks [0, 1]" in text
+    assert "model optimizer slots of a table: []" in text
+
+
+@pytest.mark.notebook
+def test_keras_rs_tutorial_trains_the_rows_of_the_batch_with_each_tables_optimizer(
+        keras_rs_tutorial):
+    text = _stdout_of(keras_rs_tutorial, "auc")
+    assert float(re.search(r"held-out AUC ([\d.]+)", text).group(1)) > 0.55
+    assert "all of them seen in training: True" in text
+    steps = re.findall(r"^(users|movies): (Adagrad|Adam) ran (\d+) steps$", text, re.M)
+    assert sorted(steps) == [("movies", "Adam", "704"), ("users", "Adagrad", "704")]
+
+
+@pytest.mark.notebook
+def test_keras_rs_tutorial_outruns_keras_rs_alone_as_the_tables_grow(
+        keras_rs_tutorial):
+    text = _stdout_of(keras_rs_tutorial, "speed")
+    rates = {int(rows.replace(",", "")): (float(alone), float(on_ps)) for rows, alone, on_ps in
+             re.findall(r"^ *([\d,]+) rows per table: keras-rs alone +([\d.]+) steps/s, "
+                        r"kerasps +([\d.]+) steps/s$", text, re.M)}
+    assert sorted(rates) == [10_000, 100_000, 400_000]
+    # keras-rs' dense Adam moves every row each step (20-40x slower at 40x the rows);
+    # kerasps' step touches the rows of the batch only. Machine load moves its rates by
+    # up to 2x, so the test checks the order of things, not a ratio of kerasps' own.
+    assert rates[400_000][0] < 0.5 * rates[10_000][0], rates
+    assert rates[400_000][1] > 2 * rates[400_000][0], rates
+
+
+HYBRID_TUTORIAL = "09_hybrid_training.ipynb"
+
+
+@pytest.fixture(scope="module")
+def hybrid_tutorial():
+    return run_notebook(HYBRID_TUTORIAL, timeout=600)
+
+
+@pytest.mark.notebook
+def test_hybrid_tutorial_keeps_the_late_workers_row_updates(hybrid_tutorial):
+    text = _stdout_of(hybrid_tutorial, "two-modes")
+    runs = {mode: dict(re.findall(r"(global steps|dense gradients dropped|rows moved): (\d+)",
+                                  line))
+            for mode, line in (line.split(None, 1) for line in text.strip().splitlines())}
+    assert set(runs) == {"sync", "hybrid"}
+    for run in runs.values():
+        assert run["global steps"] == "30" and int(run["dense gradients dropped"]) > 0
+    # The straggler's row updates count in hybrid mode, not in sync mode.
+    assert int(runs["hybrid"]["rows moved"]) > int(runs["sync"]["rows moved"])
+
+
+@pytest.mark.notebook
+def test_hybrid_tutorial_shows_the_study_of_every_mode(hybrid_tutorial):
+    text = _stdout_of(hybrid_tutorial, "study")
+    for mode in ("sync", "hybrid", "sync + 1 backup", "hybrid + 1 backup", "async"):
+        assert re.search(rf"^{re.escape(mode)}\s+\d", text, re.MULTILINE), text

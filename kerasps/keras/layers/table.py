@@ -554,7 +554,7 @@ class DynamicTable:
         elif kind == "RandomNormal":
             values = init.mean + init.stddev * tf.math.ndtri(uniform)
         else:  # TruncatedNormal: within two standard deviations, by the inverse CDF
-            low = tf.math.ndtr(tf.constant(-2.0, tf.float64))
+            low = 0.5 * tf.math.erfc(tf.constant(2.0 / np.sqrt(2.0), tf.float64))  # Φ(-2)
             values = init.mean + init.stddev * tf.math.ndtri(low + (1 - 2 * low) * uniform)
         return tf.cast(values, dtype)
 
