@@ -11,7 +11,13 @@ keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 import kerasps  # noqa: E402
 from kerasps.policy.consistency import Consistency, Mode, updated_on_arrival  # noqa: E402
-from tests.test_sync import _assert_same, _batches, _model, _train_both  # noqa: E402
+from tests.test_sync import (  # noqa: E402
+    _assert_same,
+    _batches,
+    _custom_loop,
+    _model,
+    _train_both,
+)
 
 
 def _fit(strategy, make_optimizer, steps, x, ids, y, on_arrival=None):
@@ -165,23 +171,7 @@ def test_custom_loop_sync_steps_apply_row_updates_on_arrival_in_hybrid_mode(make
         optimizer = keras.optimizers.SGD(0.05)
     single = _model(keras.optimizers.SGD(0.05))
     single.set_weights(model.get_weights())
-    coordinator = kerasps.ClusterCoordinator(strategy)
-    iterator = iter(coordinator.create_per_worker_dataset(
-        lambda context: tf.data.Dataset.from_tensors(
-            ((x[context.input_pipeline_id], ids[context.input_pipeline_id]),
-             y[context.input_pipeline_id])).repeat()))
-
-    @tf.function
-    def step(iterator):
-        def replica_fn(batch):
-            (features, id_batch), labels = batch
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(keras.losses.mean_squared_error(
-                    labels, model((features, id_batch))))
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-        return strategy.run(replica_fn, args=(next(iterator),))
+    coordinator, iterator, step = _custom_loop(strategy, model, optimizer, x, ids, y)
 
     for _ in range(4):
         assert len(coordinator.sync_step(step, args=(iterator,), optimizer=optimizer)) == 2

@@ -96,15 +96,9 @@ def test_sync_with_two_workers_is_one_step_on_the_concatenated_batch(make_strate
     assert int(model.optimizer.iterations.numpy()) == 6  # one update per global step
 
 
-def test_custom_loop_sync_steps_are_one_step_on_the_concatenated_batch(make_strategy):
-    strategy = make_strategy(mode="sync")
-    x, ids, y = _batches(2)
-    keras.utils.set_random_seed(5)
-    with strategy.scope():
-        model = _model("sgd")
-        optimizer = keras.optimizers.SGD(0.1)
-    single = _model("sgd")
-    single.set_weights(model.get_weights())
+def _custom_loop(strategy, model, optimizer, x, ids, y):
+    """A custom training loop's pieces: the coordinator, an iterator over worker `i`'s
+    constant batch `i`, and a step function that applies its gradients with `optimizer`."""
     coordinator = kerasps.ClusterCoordinator(strategy)
     iterator = iter(coordinator.create_per_worker_dataset(
         lambda context: tf.data.Dataset.from_tensors(
@@ -121,6 +115,20 @@ def test_custom_loop_sync_steps_are_one_step_on_the_concatenated_batch(make_stra
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return loss
         return strategy.run(replica_fn, args=(next(iterator),))
+
+    return coordinator, iterator, step
+
+
+def test_custom_loop_sync_steps_are_one_step_on_the_concatenated_batch(make_strategy):
+    strategy = make_strategy(mode="sync")
+    x, ids, y = _batches(2)
+    keras.utils.set_random_seed(5)
+    with strategy.scope():
+        model = _model("sgd")
+        optimizer = keras.optimizers.SGD(0.1)
+    single = _model("sgd")
+    single.set_weights(model.get_weights())
+    coordinator, iterator, step = _custom_loop(strategy, model, optimizer, x, ids, y)
 
     for _ in range(4):
         losses = coordinator.sync_step(step, args=(iterator,), optimizer=optimizer)
