@@ -45,6 +45,8 @@ import time
 # The repository's root, for `simulator` and `tests` run from a checkout.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dynamic_embedding import auc  # noqa: E402  (one AUC for the benchmarks)
+
 WORKERS = 4
 BATCH = 256
 ROWS = 100_000
@@ -126,26 +128,6 @@ def _model():
     return keras.Model([dense, ids], keras.layers.Dense(1, "sigmoid")(h))
 
 
-def auc(y, scores):
-    """Area under the ROC curve (Mann-Whitney, ties averaged)."""
-    import numpy as np
-
-    scores = np.asarray(scores, dtype=float).ravel()
-    order = np.argsort(scores, kind="mergesort")
-    ranks = np.empty(len(scores))
-    sorted_scores = scores[order]
-    i = 0
-    while i < len(scores):
-        j = i
-        while j + 1 < len(scores) and sorted_scores[j + 1] == sorted_scores[i]:
-            j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2 + 1
-        i = j + 1
-    positive = np.asarray(y).ravel() > 0.5
-    n1, n0 = positive.sum(), (~positive).sum()
-    return float((ranks[positive].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
-
-
 def run_one(mode, backups, delay, steps, epochs, trace_path=None):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
@@ -166,8 +148,9 @@ def run_one(mode, backups, delay, steps, epochs, trace_path=None):
 
     def evaluate():
         single.set_weights(model.get_weights())
-        return auc(y, np.concatenate([np.asarray(single([x[i:i + 5000], ids[i:i + 5000]]))
-                                      for i in range(0, len(y), 5000)]))
+        return auc(np.ravel(y), np.concatenate([
+            np.asarray(single([x[i:i + 5000], ids[i:i + 5000]])).ravel()
+            for i in range(0, len(y), 5000)]))
 
     data = kerasps.DatasetCreator(_dataset_fn(delay))
     model.fit(data, epochs=1, steps_per_epoch=8, verbose=0)  # warm-up: trace functions

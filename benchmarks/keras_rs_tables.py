@@ -60,6 +60,8 @@ import time
 # The repository's root, for `simulator` and `tests` run from a checkout.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dynamic_embedding import auc  # noqa: E402  (one AUC for the benchmarks)
+
 RESULT_PREFIX = "KERAS_RS_RESULT "
 NUM_WORKERS = 2
 NUM_PS = 2
@@ -244,19 +246,6 @@ def ctr_stream(examples, users, items, seed=0, exponent=1.05, factors=4, scale=2
     logit = scale * logit / np.sqrt(factors + 2)
     labels = (rng.random(examples) < 1 / (1 + np.exp(-logit))).astype("float32")
     return {"user": user, "item": item, "history": history}, labels
-
-
-def auc(labels, scores):
-    """Area under the ROC curve (Mann-Whitney, ties counted half)."""
-    import numpy as np
-
-    order = np.argsort(scores, kind="mergesort")
-    _, first, counts = np.unique(scores[order], return_index=True, return_counts=True)
-    ranks = np.empty(len(scores))
-    ranks[order] = np.repeat(first + (counts + 1) / 2, counts)
-    positive = labels > 0.5
-    n1, n0 = positive.sum(), (~positive).sum()
-    return float((ranks[positive].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
 
 
 def run_quality(config, args):
