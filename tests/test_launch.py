@@ -535,8 +535,8 @@ def test_a_module_chief_runs_as_python_m_runs_it_cold_and_in_the_warm_standby(tm
     assert started[1].endswith(" in the warm standby"), job.output()
 
 
-# A chief in `fit` that says when it was interrupted.
-FIT_CHIEF = """
+# A chief's model and repeated input, for a `fit` that runs until it is stopped.
+FIT_SETUP = """
     import keras, tensorflow as tf, kerasps
 
     strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config())
@@ -547,6 +547,10 @@ FIT_CHIEF = """
     def dataset_fn(context):
         x = tf.random.uniform((64, 4))
         return tf.data.Dataset.from_tensor_slices((x, x[:, :1])).repeat().batch(8)
+"""
+
+# A chief in `fit` that says when it was interrupted.
+FIT_CHIEF = FIT_SETUP + """
 
     progress = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: print("train batch", batch, flush=True))
@@ -584,17 +588,7 @@ def test_ctrl_c_stops_the_chief_first_and_everything_within_seconds(tmp_path):
 
 
 # A chief in a long `fit` that draws Keras' live progress bar.
-BAR_FIT_CHIEF = """
-    import keras, tensorflow as tf, kerasps
-
-    strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config())
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-        model.compile("sgd", "mse")
-
-    def dataset_fn(context):
-        x = tf.random.uniform((64, 4))
-        return tf.data.Dataset.from_tensor_slices((x, x[:, :1])).repeat().batch(8)
+BAR_FIT_CHIEF = FIT_SETUP + """
 
     model.fit(kerasps.DatasetCreator(dataset_fn), epochs=1000, steps_per_epoch=10000)
 """
