@@ -215,21 +215,7 @@ def apply_uncounted(optimizer, grads, variables):
     Variables with an optimizer of their own (`own_optimizer`: keras-rs tables) are
     handed to it (its `apply`, whose `iterations` counts the updates that reached
     it, as in async mode)."""
-    grads, variables = list(grads), list(variables)
-    theirs = {}  # id(owner) -> (owner, gradients, variables)
-    mine = ([], [])
-    for gradient, variable in zip(grads, variables):
-        owner = own_optimizer(variable)
-        if owner is None or owner is optimizer:
-            mine[0].append(gradient)
-            mine[1].append(variable)
-        else:
-            _, owned_grads, owned_variables = theirs.setdefault(id(owner), (owner, [], []))
-            owned_grads.append(gradient)
-            owned_variables.append(variable)
-    for owner, owned_grads, owned_variables in theirs.values():
-        owner.apply(owned_grads, owned_variables)
-    grads, variables = mine
+    grads, variables = apply_by_own_optimizers(optimizer, grads, variables)
     if not variables:
         return
     scale = optimizer.loss_scale_factor
@@ -1045,23 +1031,31 @@ def apply_with_own_optimizers(self, grads, trainable_variables=None):
     if variables is None:
         return original(self, grads, trainable_variables)
     grads, variables = list(grads), list(variables)
-    owners = [own_optimizer(v) for v in variables]
-    if all(owner is None or owner is self for owner in owners):
+    if all(own_optimizer(v) in (None, self) for v in variables):
         return original(self, grads, trainable_variables)
-    mine, theirs = ([], []), {}
-    for gradient, variable, owner in zip(grads, variables, owners):
-        if owner is None or owner is self:
+    grads, variables = apply_by_own_optimizers(self, grads, variables)
+    if variables:
+        return original(self, grads, variables)
+    self._iterations.assign_add(1)
+
+
+def apply_by_own_optimizers(optimizer, grads, variables) -> tuple[list, list]:
+    """Hands the gradients of the variables that have an optimizer of their own (other
+    than `optimizer`) to it, one `apply` per optimizer; returns the other gradients and
+    variables, which `optimizer` trains."""
+    mine, theirs = ([], []), {}  # theirs: id(owner) -> (owner, gradients, variables)
+    for gradient, variable in zip(grads, variables):
+        owner = own_optimizer(variable)
+        if owner is None or owner is optimizer:
             mine[0].append(gradient)
             mine[1].append(variable)
         else:
-            theirs.setdefault(id(owner), (owner, [], []))
-            theirs[id(owner)][1].append(gradient)
-            theirs[id(owner)][2].append(variable)
+            _, owned_grads, owned_variables = theirs.setdefault(id(owner), (owner, [], []))
+            owned_grads.append(gradient)
+            owned_variables.append(variable)
     for owner, owned_grads, owned_variables in theirs.values():
         owner.apply(owned_grads, owned_variables)
-    if mine[1]:
-        return original(self, mine[0], mine[1])
-    self._iterations.assign_add(1)
+    return mine
 
 
 def build_optimizer_without_own_tables(self, *args, **kwargs):
