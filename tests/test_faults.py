@@ -192,13 +192,15 @@ def test_worker_killed_mid_sync_fit_never_deadlocks_a_step(tmp_path, mode, backu
 
 # Exactly-once input: a visit counter (each visit moves an id's row by -1) over 1024 ids.
 EXACTLY_ONCE_CHIEF = """
-    import itertools
+    import itertools, sys
     import keras, numpy as np, tensorflow as tf, kerasps
 
     ROWS, EPOCHS, BATCH = 1024, 3, 16
     strategy = kerasps.ParameterServerStrategy(
         kerasps.cluster.from_tf_config(),
         variable_partitioner=kerasps.partitioners.FixedShardsPartitioner(2))
+    # With a backup directory (argv[1]), a lost ps task is recovered from its backups.
+    backups = [keras.callbacks.BackupAndRestore(sys.argv[1], save_freq=8)] if sys.argv[1:] else []
     with strategy.scope():
         model = keras.Sequential([keras.Input((1,), dtype="int32"),
                                   keras.layers.Embedding(ROWS, 1, embeddings_initializer="zeros")])
@@ -206,18 +208,21 @@ EXACTLY_ONCE_CHIEF = """
 
     def dataset_fn(context):
         ids = np.arange(ROWS, dtype="int32").reshape(-1, 1)
-        return tf.data.Dataset.from_tensor_slices((ids, np.zeros(ROWS))).shuffle(ROWS).batch(BATCH)
+        dataset = tf.data.Dataset.from_tensor_slices((ids, np.zeros(ROWS))).shuffle(ROWS)
+        # argv[2]: seconds each batch is held back (the workers wait in `next` for it).
+        return kerasps.input.slowed(dataset.batch(BATCH), float(sys.argv[2]) if sys.argv[2:] else 0)
 
     trained = itertools.count(1)
     progress = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: print("train batch", next(trained), flush=True))
     history = model.fit(
         kerasps.DatasetCreator(dataset_fn, kerasps.InputOptions(exactly_once=True)),
-        epochs=EPOCHS, verbose=0, callbacks=[progress])
+        epochs=EPOCHS, verbose=0, callbacks=[progress, *backups])
     visits = -np.round(model.layers[0].embeddings.numpy()[:, 0]).astype(int)
     print("missed", int(np.clip(EPOCHS - visits, 0, None).sum()),
           "repeated", int(np.clip(visits - EPOCHS, 0, None).sum()),
-          "reexecuted", sum(history.history.get("reexecuted_steps", [0])), flush=True)
+          "reexecuted", sum(history.history.get("reexecuted_steps", [0])),
+          "rolled back", sum(history.history.get("rolled_back_steps", [0])), flush=True)
 """
 
 
@@ -238,6 +243,31 @@ def test_worker_killed_mid_exactly_once_fit_repeats_nothing_and_loses_its_fetche
         assert repeated == 0
         assert missed <= 4 * 16  # the bound docs/guide/input.md states
         assert job.finish() == 0, job.output()
+    finally:
+        job.close()
+
+
+def test_ps_killed_mid_exactly_once_fit_loses_only_the_rolled_back_and_fetched_batches(
+        tmp_path):
+    """Every function in flight when a ps task dies fails, and one that waited for its
+    next element cancels its worker's reader for good: each worker's reader joins the
+    epoch's tf.data service job again, so the epoch goes on with the ids nobody read.
+    Lost: the batches of the steps rolled back to the backup (their ids are not read
+    again) and those the cancelled readers had fetched. Before, every reader ended
+    and the epoch stopped there (hundreds of ids missed)."""
+    job = launch(tmp_path, EXACTLY_ONCE_CHIEF, "--workers", "2", "--ps", "2",
+                 "--max-restarts", "3", args=[str(tmp_path / "backup"), "0.1"])
+    try:
+        job.wait_for(r"\[chief 0\] train batch 80$")  # epoch 2 of 3 (64 steps each)
+        job.kill("ps 0")
+        job.wait_for(r"\[launcher\] ps 0 exited with signal 9 \(SIGKILL\); restart 1 of 3")
+        counts = job.wait_for(
+            r"\[chief 0\] missed (\d+) repeated (\d+) reexecuted \d+ rolled back (\d+)")
+        missed, repeated, rolled_back = map(int, counts.groups())
+        assert job.finish() == 0, job.output()
+        assert repeated == 0
+        assert rolled_back <= 8  # the backup's `save_freq`
+        assert missed <= (rolled_back + 2 * 4) * 16, job.output()
     finally:
         job.close()
 

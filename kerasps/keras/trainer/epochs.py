@@ -229,7 +229,22 @@ class ExactlyOnceEpochs(Epochs):
 
     def begin(self, epoch: int, step: int):
         self.iterator, self.ended = iter(self.call.per_worker), set()  # a new pass
+        self.fresh = True
         super().begin(epoch, step)
+
+    def restart(self, step: int):
+        """After an error (a lost ps task): every worker's reader joins the epoch's job
+        again. A function that failed or was cancelled while its `next` waited for an
+        element ended its worker's reader for good (`per_worker.restart_persistent_iterators`
+        says why), which would end the epoch early, the data nobody read left unread;
+        the new readers read on from the job, losing what the old ones had fetched. A
+        worker whose reader had found the end finds it again."""
+        if not self.fresh:
+            _tf.rebuild_per_worker_resources(self.call.coordinator._tf_coordinator,
+                                             self.iterator)
+            self.ended = set()
+        self.fresh = False
+        super().restart(step)
 
     def _more(self) -> bool:
         steps_per_epoch = self.call.steps_per_epoch
