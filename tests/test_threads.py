@@ -116,6 +116,28 @@ for case in range(int(sys.argv[1])):  # each case asks for a cluster of its own
 print("DONE", True)
 """
 
+PREDICT_AGAIN_AND_AGAIN = """
+import keras, numpy as np, tensorflow as tf, kerasps
+
+strategy = kerasps.ParameterServerStrategy(kerasps.cluster.in_process(num_workers=2, num_ps=2))
+with strategy.scope():
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+
+def threads():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("Threads")).split()[1])
+
+def dataset_fn(context):
+    return tf.data.Dataset.from_tensor_slices(np.ones((6, 1), "float32")).batch(2)
+
+model.predict(kerasps.DatasetCreator(dataset_fn), steps=3, verbose=0)
+before = threads()
+for _ in range(20):
+    model.predict(kerasps.DatasetCreator(dataset_fn), steps=3, verbose=0)
+    model.predict(np.ones((4, 1), "float32"), verbose=0)
+print("threads added", threads() - before)
+print("DONE", threads() - before < 10)
+"""
+
 
 def run_chief(program, *args, timeout=600):
     result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", program, *args],
@@ -155,3 +177,12 @@ def test_a_process_asking_for_a_cluster_per_case_does_not_run_out_of_threads():
     could start no thread and aborted (here at the 12th to 70th cluster, with the
     per-process map count or the machine's process ids the limit)."""
     run_chief(CLUSTER_PER_CASE, "100", timeout=1800)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="counts threads in /proc")
+def test_predict_called_again_and_again_adds_no_threads():
+    """A long process (a notebook, a test suite) calls `predict` again and again: each
+    call traced a new function, and a worker keeps a thread for every function that
+    read an iterator in its inter-op threads (TensorFlow's `BackgroundWorker` of the
+    `IteratorGetNext`-like kernels), 2 per call here (80 for these 40 calls)."""
+    run_chief(PREDICT_AGAIN_AND_AGAIN)

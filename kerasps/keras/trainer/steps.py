@@ -19,7 +19,7 @@ def step_functions(model) -> dict:
     of the dict, and functions added to this one would be lost (traced again
     by every `fit`).
     """
-    key = (id(model.optimizer), id(getattr(model, "_compile_loss", None)),
+    key = (id(getattr(model, "optimizer", None)), id(getattr(model, "_compile_loss", None)),
            id(getattr(model, "_compile_metrics", None)), model.steps_per_execution,
            getattr(model, "unrolled_steps_per_execution", 1))
     cache = getattr(model, "_kerasps_functions", None)
@@ -271,6 +271,25 @@ def make_test_function(model):
 
 
 def make_predict_function(model, empty_outputs):
+    """The model's predict function for outputs shaped as `empty_outputs` (one per
+    output structure, kept with the other step functions).
+
+    Kept, not traced per call: every new function that reads an iterator on a
+    worker in TensorFlow's inter-op threads leaves a thread there for good (each
+    `IteratorGetNext`-like kernel owns a `BackgroundWorker` thread, and the
+    worker keeps the kernels of a function the coordinator removed), so a
+    `predict` per call in a long process (a notebook, a test suite) piled up one
+    thread per worker per call, besides tracing and sending the function again.
+    """
+    cache = step_functions(model)
+    key = ("predict", tuple((tuple(t.shape), t.dtype.name)
+                            for t in tree.flatten(empty_outputs)))
+    if key not in cache:
+        cache[key] = _predict_function(model, empty_outputs)
+    return cache[key]
+
+
+def _predict_function(model, empty_outputs):
     strategy = model.distribute_strategy
 
     @tf.autograph.experimental.do_not_convert
