@@ -31,6 +31,7 @@ from kerasps.params import variables as variables_lib
 from kerasps.policy import consistency as consistency_lib
 from kerasps.policy import membership as membership_lib
 from kerasps.policy import placement as placement_lib
+from kerasps.runtime import coordinator as coordinator_lib
 from kerasps.runtime import input as input_lib
 from kerasps.runtime import launch_env
 
@@ -277,6 +278,7 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         tf_logs.quiet_tensorflow_logger()  # TensorFlow's strategy logs at INFO from here
         first_connection = not _tf.connected()
         _tf.forget_functions_of_earlier_connections()
+        coordinator_lib.stop_every_coordinator()
         super().__init__(cluster_resolver, variable_partitioner=None)
         if first_connection:
             _warn_of_deleted_variables(_keras.disown_variables_of_old_context())

@@ -116,6 +116,63 @@ for case in range(int(sys.argv[1])):  # each case asks for a cluster of its own
 print("DONE", True)
 """
 
+# A strategy made right after `iter()` of another's per-worker dataset: the iterators
+# are built by closures in the earlier coordinator's threads, after `iter()` returned.
+STRATEGY_AFTER_STRATEGY = """
+import sys
+import numpy as np, tensorflow as tf, kerasps
+
+shapes = [(2, 2), (2, 1)][:int(sys.argv[2])]
+
+def dataset_fn(context):
+    return tf.data.Dataset.from_tensor_slices(np.ones((6, 1), "float32")).batch(2)
+
+for case in range(int(sys.argv[1])):
+    workers, ps = shapes[case % len(shapes)]
+    strategy = kerasps.ParameterServerStrategy(
+        kerasps.cluster.in_process(num_workers=workers, num_ps=ps))
+    coordinator = kerasps.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(kerasps.DatasetCreator(dataset_fn)))
+print("DONE", True)
+"""
+
+# Clusters of several shapes in one process, as in a test suite or a notebook: each
+# case trains and predicts, and the objects of earlier cases die at random points,
+# before or after the next strategy connects.
+CASES_ON_CLUSTERS_OF_SEVERAL_SHAPES = """
+import gc, random, sys
+import keras, numpy as np, tensorflow as tf, kerasps
+
+def dataset_fn(context):
+    x = np.arange(64, dtype="float32").reshape(-1, 1) / 64
+    return tf.data.Dataset.from_tensor_slices((x, (x > 0.5).astype("float32"))).repeat().batch(8)
+
+def predict_fn(context):
+    return tf.data.Dataset.from_tensor_slices(np.ones((6, 1), "float32")).batch(2)
+
+random.seed(int(sys.argv[2]))
+leftovers = []
+for case in range(int(sys.argv[1])):
+    workers, ps = random.choice([(2, 2), (2, 1), (1, 1), (3, 2)])
+    strategy = kerasps.ParameterServerStrategy(
+        kerasps.cluster.in_process(num_workers=workers, num_ps=ps),
+        variable_partitioner=kerasps.partitioners.FixedShardsPartitioner(ps) if ps > 1 else None)
+    if random.random() < 0.5:
+        leftovers.clear()
+    if random.random() < 0.5:
+        gc.collect()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(4),
+                                  keras.layers.Dense(1, activation="sigmoid")])
+        model.compile("sgd", "binary_crossentropy", steps_per_execution=1 + case % 2)
+    model.fit(kerasps.DatasetCreator(dataset_fn), epochs=1, steps_per_epoch=4, verbose=0)
+    outputs = model.predict(kerasps.DatasetCreator(predict_fn), steps=3, verbose=0)
+    coordinator = kerasps.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(kerasps.DatasetCreator(predict_fn)))
+    leftovers += [model, strategy, coordinator, iterator, outputs]
+print("DONE", True)
+"""
+
 PREDICT_AGAIN_AND_AGAIN = """
 import keras, numpy as np, tensorflow as tf, kerasps
 
@@ -186,3 +243,23 @@ def test_predict_called_again_and_again_adds_no_threads():
     read an iterator in its inter-op threads (TensorFlow's `BackgroundWorker` of the
     `IteratorGetNext`-like kernels), 2 per call here (80 for these 40 calls)."""
     run_chief(PREDICT_AGAIN_AND_AGAIN)
+
+
+@pytest.mark.parametrize("shapes", [1, 2])
+def test_a_strategy_made_while_the_last_one_builds_iterators_does_not_crash_the_chief(shapes):
+    """The reported SIGSEGV (issue 30): a new strategy resets the eager context while the
+    earlier coordinator's threads still build the per-worker iterators of an `iter()`
+    that returned, and a call there reads a freed remote device
+    (`TensorHandle::DeviceName`). Before the earlier coordinators were stopped and
+    waited for: SIGSEGV at the first switch to a cluster of another shape (3 runs in
+    3), SIGABRT at exit on one shape (3 in 3)."""
+    run_chief(STRATEGY_AFTER_STRATEGY, "20", str(shapes))
+
+
+@pytest.mark.stress
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_cases_on_clusters_of_several_shapes_in_one_process_do_not_crash_the_chief(seed):
+    """A test suite's or a notebook's history: 40 cases, each training and predicting on
+    an in-process cluster of one of four shapes, earlier cases' objects dying before or
+    after the next strategy connects. Before: SIGSEGV at the second case (2 seeds in 2)."""
+    run_chief(CASES_ON_CLUSTERS_OF_SEVERAL_SHAPES, "40", str(seed), timeout=1200)

@@ -8,6 +8,7 @@ import gc
 import logging
 import socket
 import threading
+import time
 import weakref
 
 from tensorflow.python.distribute import input_lib, input_util
@@ -714,6 +715,27 @@ def stop_coordinator(tf_coordinator, strategy):
     """
     tf_coordinator._cluster.stop()
     strategy._cluster_coordinator = None
+
+
+def stop_every_coordinator():
+    """Stops the threads of every TF `ClusterCoordinator` whose worker threads still run,
+    including those of coordinators already garbage: TensorFlow's `__del__` only
+    starts stopping them (`Cluster.stop()` lets the closure in progress run on).
+    Queued closures are cancelled; wait with `join_coordinator_threads`."""
+    clusters = {id(owner._cluster): owner._cluster for owner in (
+        getattr(getattr(thread, "_target", None), "__self__", None)
+        for thread in threading.enumerate()) if isinstance(owner, cluster_coordinator.Worker)}
+    for cluster in clusters.values():
+        cluster.stop()
+
+
+def join_coordinator_threads(timeout: float) -> list:
+    """Waits up to `timeout` seconds for TensorFlow's coordinator threads to end; returns
+    the names of those still running."""
+    deadline = time.monotonic() + timeout
+    for thread in coordinator_threads():
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return sorted(thread.name for thread in coordinator_threads())
 
 
 def rebuild_per_worker_resources(tf_coordinator, per_worker_values):

@@ -18,6 +18,7 @@ the first error raised by a scheduled function is raised by the next `join`,
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 import weakref
@@ -85,6 +86,7 @@ class ClusterCoordinator:
         # Per-worker pipelines of `DatasetCreator`s, built once (see kerasps.keras.trainer).
         self._dataset_cache = weakref.WeakKeyDictionary()
         strategy._kerasps_coordinator = self
+        _LIVE.add(self)
 
     @property
     def strategy(self):
@@ -196,15 +198,15 @@ class ClusterCoordinator:
         Raises:
             RuntimeError: threads still run after `timeout` (named in the message).
         """
+        self._detach()
+        alive = _tf.join_coordinator_threads(timeout)
+        if alive:
+            raise RuntimeError(f"Coordinator threads still running after {timeout} s: {alive}")
+
+    def _detach(self):
         _tf.stop_coordinator(self._tf_coordinator, self._strategy)
         if getattr(self._strategy, "_kerasps_coordinator", None) is self:
             self._strategy._kerasps_coordinator = None
-        deadline = time.monotonic() + timeout
-        for thread in _tf.coordinator_threads():
-            thread.join(max(0.0, deadline - time.monotonic()))
-        alive = [t.name for t in _tf.coordinator_threads()]
-        if alive:
-            raise RuntimeError(f"Coordinator threads still running after {timeout} s: {alive}")
 
     def create_per_worker_dataset(self, dataset_fn) -> input_lib.PerWorkerDataset:
         """Builds one input pipeline per worker.
@@ -287,3 +289,38 @@ class ClusterCoordinator:
                 worker=worker_index, step=self._sequence, start=start - self._trace_origin,
                 end=end - self._trace_origin, steps=steps, kind=kind), id(remote_value)))
             self._sequence += 1
+
+
+_LIVE = weakref.WeakSet()  # the process's kerasps coordinators
+
+
+def stop_every_coordinator(timeout: float = 60.0) -> list:
+    """Stops every coordinator of the process and waits for their threads, before a
+    strategy connects (which resets the eager context); their strategies get a new
+    coordinator if used again, as after `shutdown()`.
+
+    A coordinator's threads call into the eager context: its worker threads run
+    scheduled functions and build per-worker resources (a per-worker iterator is
+    built by a queued closure, after `iter()` returned), its failure handler
+    reconnects. A connection that resets the context while one of them runs frees
+    the remote devices the call reads: the chief died with SIGSEGV in
+    `TensorHandle::DeviceName` when a strategy was made while closures built the
+    previous one's iterators (`tests/test_threads.py`). TensorFlow stops those
+    threads only asynchronously; see the TODO in `WorkerPreemptionHandler.stop`,
+    tensorflow/python/distribute/coordinator/cluster_coordinator.py ("The preemption
+    handler thread shouldn't be terminated asynchronously since it touches eager
+    context which is a process-wide singleton").
+
+    Returns the names of the threads still running after `timeout` seconds (logged
+    as a warning: the connection goes on without them).
+    """
+    for coordinator in list(_LIVE):
+        coordinator._detach()
+    _tf.stop_every_coordinator()
+    running = _tf.join_coordinator_threads(timeout)
+    if running:
+        logging.getLogger("kerasps").warning(
+            "%d thread(s) of an earlier strategy's coordinator still run after %.0f s (%s); "
+            "connecting anyway: a TensorFlow call they make from now on may fail or crash.",
+            len(running), timeout, ", ".join(running))
+    return running
