@@ -19,14 +19,27 @@ its gap to sync and the speed-up over sync (examples/s, as PERSIA reports it), a
 simulator's predicted steady steps/s with its error.
 
 The simulator (`training.mode = "hybrid"`, `workers.embedding_time`,
-`training.apply_time`) is calibrated on the traces of the two runs without backup
-workers (sync and hybrid): the workers' dense step (a kept gradient function of a fast
-worker plus the coordinator's gap before it), the apply function of a hybrid step
-(dense means only), and a row update's cost (the sync apply, which also applies the
-kept row updates, less the hybrid one, per kept gradient). It predicts the runs with a
-backup worker and the async run; the two calibration runs are marked as such.
+`training.apply_time`, and `[machine]`: the in-process cluster's tasks share this
+machine's cores, of which other jobs keep some busy) is calibrated on the two runs without
+backup workers (sync and hybrid), in seconds of work on a core of its own: the trace
+tells how long each function took while how many others computed (`work`), and the CPU
+time of the cluster's process sets the level (`calibrate`). That gives a fast worker's
+gradient function (sync: its rows only queued; hybrid: its rows applied), the apply
+function of a global step (dense means; in sync mode the kept row updates too: a row
+update's cost is the difference, per kept gradient), and the coordinator's gap between an
+apply and the next step's functions; an async step function costs a hybrid gradient
+function (it applies its dense gradient where hybrid writes it to a slot; no apply
+function follows). Each prediction runs the simulator with the cores of
+this process's affinity mask, the cores the other jobs used during the run predicted
+(sampled from `/proc`: Linux shares the cores fairly among sessions first, so their
+runnable threads do not count), worker 0's input held back as measured, off the cores,
+and sync's late workers finishing their step as kerasps lets them. It predicts the runs
+with a backup worker and the async run; the two calibration runs are marked as such.
+With `--repeats N` every mode runs N times (the modes in turn), each round calibrating
+its own predictions, and the table has the means.
 
-    python benchmarks/hybrid.py               # about 6 min on 2 cores
+    python benchmarks/hybrid.py               # about 4 min on 2 cores
+    python benchmarks/hybrid.py --repeats 3   # every mode 3 times, the means
     python benchmarks/hybrid.py --quick       # a smoke run
     python benchmarks/hybrid.py --plot docs/hybrid_auc.png --json benchmarks/records/...
 """
@@ -40,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 # The repository's root, for `simulator` and `tests` run from a checkout.
@@ -155,7 +169,7 @@ def run_one(mode, backups, delay, steps, epochs, trace_path=None):
     data = kerasps.DatasetCreator(_dataset_fn(delay))
     model.fit(data, epochs=1, steps_per_epoch=8, verbose=0)  # warm-up: trace functions
     curve = [(0.0, evaluate())]
-    windows, fit_seconds = [], 0.0
+    windows, clock, fit_seconds = [], [], 0.0
 
     class Clock(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
@@ -168,6 +182,7 @@ def run_one(mode, backups, delay, steps, epochs, trace_path=None):
             nonlocal fit_seconds
             end = time.perf_counter()
             windows.append((self.begin - self.origin, end - self.origin))
+            clock.append((self.begin, end))
             fit_seconds += end - self.begin
             curve.append((fit_seconds, evaluate()))
 
@@ -194,81 +209,251 @@ def run_one(mode, backups, delay, steps, epochs, trace_path=None):
             "steps_per_s": counted / seconds if seconds else float("nan"),
             "dropped": sum(history.history.get("dropped_gradients", [0])),
             "staleness": history.history.get("staleness", [float("nan")])[-1],
-            "auc": curve[-1][1], "curve": curve}
+            "auc": curve[-1][1], "curve": curve, "epochs_at": clock}
+
+
+class LoadSampler(threading.Thread):
+    """What else ran on the machine during a run, sampled every `period` seconds.
+
+    Linux shares the cores fairly among process groups (sessions, with autogroup
+    scheduling) before threads, so what competes with the run is the other groups that
+    keep a core busy, however many threads they run. Each sample has the CPU the run's
+    process and every other group used since the previous sample (`/proc/PID/stat`,
+    groups from `/proc/PID/autogroup`), and the runnable threads of the machine
+    (`procs_running` of `/proc/stat`) and of the run.
+    """
+
+    def __init__(self, pid, period=0.25):
+        super().__init__(daemon=True)
+        self.pid, self.period = pid, period
+        self.samples = []  # (perf_counter, run's cores, other groups' cores, runnable, run's)
+        self.stop = threading.Event()
+        self._groups, self._ticks = {}, {}
+        self._own = str(os.getpid())
+        self._hz = os.sysconf("SC_CLK_TCK")
+
+    def _group(self, pid):
+        if pid not in self._groups:
+            try:
+                with open(f"/proc/{pid}/autogroup") as f:
+                    self._groups[pid] = (f.read().split() or ["kernel"])[0]
+            except OSError:
+                self._groups[pid] = f"pid {pid}"
+        return self._groups[pid]
+
+    def _cpu(self):
+        """Seconds of CPU each process used so far, by pid."""
+        ticks = {}
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit() or pid == self._own:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            ticks[pid] = (int(fields[11]) + int(fields[12])) / self._hz
+        return ticks
+
+    def _runnable(self):
+        with open("/proc/stat") as f:
+            running = next(int(line.split()[1]) for line in f
+                           if line.startswith("procs_running"))
+        own, tasks = 0, f"/proc/{self.pid}/task"
+        for tid in os.listdir(tasks):
+            try:
+                with open(f"{tasks}/{tid}/stat") as f:
+                    own += f.read().rpartition(")")[2].split()[0] == "R"
+            except OSError:
+                pass
+        return running - 1, own  # less the sampler
+
+    def run(self):
+        before, then = self._cpu(), time.perf_counter()
+        while not self.stop.wait(self.period):
+            try:
+                running, own = self._runnable()
+                now, ticks = time.perf_counter(), self._cpu()
+            except (OSError, StopIteration):
+                continue
+            elapsed, groups, mine = now - then, {}, 0.0
+            for pid, seconds in ticks.items():
+                used = seconds - before.get(pid, seconds)
+                if pid == str(self.pid):
+                    mine = used / elapsed
+                elif used > 0:
+                    group = self._group(pid)
+                    groups[group] = groups.get(group, 0.0) + used / elapsed
+            self.samples.append((now, mine, sorted(groups.values(), reverse=True),
+                                 running, own))
+            before, then = ticks, now
+
+    def load(self, windows):
+        """The mean load over `windows`: cores the run used, cores the other groups used,
+        other groups busy (each weighted by its share of a core, up to 1), runnable
+        threads of the run and of the rest of the machine."""
+        inside = [s for s in self.samples if any(b <= s[0] <= e for b, e in windows)]
+        if not inside:
+            return dict.fromkeys(("cores_used", "other_cores", "other_groups", "own_load",
+                                  "other_load"), float("nan"))
+        return {"cores_used": statistics.mean(s[1] for s in inside),
+                "other_cores": statistics.mean(sum(s[2]) for s in inside),
+                "other_groups": statistics.mean(sum(min(1.0, c) for c in s[2])
+                                                for s in inside),
+                "own_load": statistics.mean(s[4] for s in inside),
+                "other_load": statistics.mean(max(0, s[3] - s[4]) for s in inside)}
 
 
 def _child(args, mode, backups, delay, steps, trace_path=None):
     command = [sys.executable, __file__, "--one", mode, str(backups), str(delay),
                "--steps", str(steps), "--epochs", str(args.epochs)] + (
         ["--trace", trace_path] if trace_path else [])
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    for line in done.stdout.splitlines():
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    sampler = LoadSampler(process.pid)
+    sampler.start()
+    try:
+        stdout, stderr = process.communicate(timeout=900)
+    finally:
+        sampler.stop.set()
+        sampler.join()
+    for line in stdout.splitlines():
         if line.startswith(RESULT):
-            return json.loads(line[len(RESULT):])
-    raise RuntimeError(f"{mode} backups={backups} failed:\n{done.stderr[-3000:]}")
+            result = json.loads(line[len(RESULT):])
+            result.update(sampler.load(result["epochs_at"]))
+            result["load_samples"] = [s for s in sampler.samples if any(
+                b <= s[0] <= e for b, e in result["epochs_at"])]
+            return result
+    raise RuntimeError(f"{mode} backups={backups} failed:\n{stderr[-3000:]}")
 
 
-def calibrate(sync_trace, hybrid_trace):
-    """The simulator's costs from the two runs without backups (see the module doc)."""
+def cores():
+    """The cores this process may run on (its affinity mask), as the cluster's tasks do."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def work(events, ncores, background):
+    """Seconds of work on a core of its own of each event in `events` (a trace's step
+    functions), as `simulator.machine` shares the cores: while `n` functions compute, each
+    does `min(1, (ncores - background) / n)` seconds of work per second, `background`
+    being the cores other jobs used meanwhile.
+
+    What computes when is read from the trace: the fast workers' gradient functions and
+    the apply functions all along, the coordinator between an apply and the next step's
+    first function, and worker 0's functions only at their end (they wait for their
+    held-back batch first, off the cores), for as long as a fast worker's median work
+    takes at the rate of one function.
+
+    Returns:
+        `{"train": [(event, work)], "apply": [(event, work)], "gap": [work]}`.
+    """
+    train = [e for e in events if e.kind == "train"]
+    applies = sorted((e for e in events if e.kind == "apply"), key=lambda e: e.end)
+    starts = {}
+    for e in train:
+        starts[e.version] = min(starts.get(e.version, e.start), e.start)
+    gaps = [(a.end, starts[a.version + 1]) for a in applies
+            if starts.get(a.version + 1, a.end) > a.end]
+    fast = [e for e in train if e.worker != 0]
+    shared = [(a.start, a.end) for a in applies] + gaps
+
+    def integral(busy):
+        """Work done from the first of `busy`'s ends to each end: `done(begin, end)`."""
+        points = sorted({t for interval in busy for t in interval})
+        index = {t: i for i, t in enumerate(points)}
+        change = [0] * (len(points) + 1)
+        for begin, end in busy:
+            change[index[begin]] += 1
+            change[index[end]] -= 1
+        cumulative, n = [0.0], 0
+        for i in range(len(points) - 1):
+            n += change[i]
+            rate = min(1.0, (ncores - background) / n) if n else 1.0
+            cumulative.append(cumulative[-1] + (points[i + 1] - points[i]) * rate)
+        return lambda begin, end: cumulative[index[end]] - cumulative[index[begin]]
+
+    done = integral([(e.start, e.end) for e in fast] + shared)
+    median = statistics.median([done(e.start, e.end) for e in fast] or [0.0])
+    tail = median / min(1.0, ncores - background)
+    computing = {id(e): (e.start if e.worker != 0 else max(e.start, e.end - tail), e.end)
+                 for e in train}
+    done = integral(list(computing.values()) + shared)
+    return {"train": [(e, done(*computing[id(e)])) for e in train],
+            "apply": [(a, done(a.start, a.end)) for a in applies],
+            "gap": [done(begin, end) for begin, end in gaps]}
+
+
+def calibrate(sync_run, hybrid_run, ncores):
+    """The simulator's costs, seconds of work on a core of its own, from the two runs
+    without backups (see the module doc).
+
+    The trace shares each run's functions' time out as `work` does, with the cores the
+    other jobs used during the run; the CPU time the cluster's process used (all its
+    threads: the coordinator's and the input pipelines' too) then sets the level: the
+    functions' work is scaled so that it adds up to it.
+    """
     from kerasps.policy.trace import read_trace
 
-    def costs(path):
-        events = read_trace(path)
-        applies = sorted((e for e in events if e.kind == "apply"), key=lambda e: e.end)
-        ended = {e.version: e.end for e in applies}
-        kept = [e for e in events if e.kind == "train" and not e.dropped and e.worker != 0
-                and e.version >= 0]
-        gaps = [e.start - ended[e.version - 1] for e in kept if e.version - 1 in ended]
-        return ([e.duration for e in kept], statistics.median(e.duration for e in applies),
-                max(0.0, statistics.median(gaps)) if gaps else 0.0)
+    def costs(run):
+        shares = work(read_trace(run["trace"]), ncores, run["other_cores"])
+        total = (sum(w for _, w in shares["train"]) + sum(w for _, w in shares["apply"])
+                 + sum(shares["gap"]))
+        scale = run["cores_used"] * run["call_seconds"] / total
+        gradients = [scale * w for e, w in shares["train"] if not e.dropped
+                     and e.worker != 0 and e.version >= 0]
+        return (gradients, scale * statistics.median(w for _, w in shares["apply"]),
+                scale * statistics.median(shares["gap"]) if shares["gap"] else 0.0, scale)
 
-    sync_gradients, sync_apply, sync_gap = costs(sync_trace)
-    hybrid_gradients, hybrid_apply, hybrid_gap = costs(hybrid_trace)
+    sync_gradients, sync_apply, sync_gap, sync_scale = costs(sync_run)
+    hybrid_gradients, hybrid_apply, hybrid_gap, hybrid_scale = costs(hybrid_run)
     embedding = max(0.0, (sync_apply - hybrid_apply) / WORKERS)
     gap = statistics.mean([sync_gap, hybrid_gap])
-    # Dense part of a worker step: a sync gradient function (its rows only queued), and
-    # the coordinator's gap between an apply and the next step's functions.
-    dense = [g + gap for g in sync_gradients]
-    return {"dense": dense, "dense_mean": statistics.mean(dense), "embedding_time": embedding,
-            "apply_time": hybrid_apply, "sync_apply": sync_apply, "gap": gap,
-            "hybrid_gradient_mean": statistics.mean(hybrid_gradients)}
+    # A sync gradient function only queues its rows on the ps tasks; a hybrid one applies
+    # them (the row update's `embedding_time`, in the worker step) besides the dense part.
+    return {"sync_dense": sync_gradients, "hybrid_dense": [
+                max(0.0, g - embedding) for g in hybrid_gradients],
+            "sync_dense_mean": statistics.mean(sync_gradients),
+            "hybrid_gradient_mean": statistics.mean(hybrid_gradients),
+            "embedding_time": embedding, "apply_time": hybrid_apply, "sync_apply": sync_apply,
+            "gap": gap, "cores": ncores, "scale": [sync_scale, hybrid_scale]}
 
 
-def predict(model, mode, backups, delay, steps=3000):
-    """The simulator's steady steps/s for `mode` with worker 0's input `delay`ed."""
+def predict(model, mode, backups, delay, background, steps=3000):
+    """The simulator's steady steps/s for `mode` with worker 0's input `delay`ed, on the
+    calibrated cores, of which other jobs use `background`."""
     import simulator
 
-    dense = model["dense"]
-    if mode == "async":  # each worker step applies its dense gradient too
-        samples = [d + model["embedding_time"] + model["apply_time"] for d in dense]
-        step_time = {"distribution": "empirical", "samples": samples}
-        workers = {"count": WORKERS, "step_time": step_time}
+    def empirical(samples):
+        return {"distribution": "empirical", "samples": samples}
+
+    if mode == "async":
+        # An async step function is a hybrid gradient function that applies its dense
+        # gradient (800 weights) where hybrid writes it to a slot; the apply function of
+        # a global step (a second function: its dispatch, the slots' mean) has no
+        # counterpart.
+        workers = {"step_time": empirical([d + model["embedding_time"]
+                                           for d in model["hybrid_dense"]])}
         training = {"mode": "async", "steps": steps * WORKERS}
-        cycle = statistics.mean(samples)
-    elif mode == "sync":
-        # kerasps lets a late worker finish its dropped gradient and leaves it out of
-        # the next step unless that step would be short, as the simulator's hybrid
-        # policy does; its sync policy cancels late workers instead. So a kerasps sync
-        # step is simulated as a hybrid step without row updates on arrival, whose
-        # apply function takes the sync apply's time (dense means and kept rows).
-        workers = {"count": WORKERS,
-                   "step_time": {"distribution": "empirical", "samples": dense}}
-        training = {"mode": "hybrid", "steps": steps, "backup_workers": backups,
-                    "apply_time": model["sync_apply"]}
-        cycle = model["dense_mean"]
+    elif mode == "sync":  # kerasps lets a late worker finish: `late_workers = "finish"`
+        workers = {"step_time": empirical(model["sync_dense"])}
+        training = {"mode": "sync", "steps": steps, "backup_workers": backups,
+                    "late_workers": "finish", "apply_time": model["sync_apply"] + model["gap"]}
     else:
-        workers = {"count": WORKERS, "embedding_time": model["embedding_time"],
-                   "step_time": {"distribution": "empirical", "samples": dense}}
+        workers = {"step_time": empirical(model["hybrid_dense"]),
+                   "embedding_time": model["embedding_time"]}
         training = {"mode": mode, "steps": steps, "backup_workers": backups,
-                    "apply_time": model["apply_time"]}
-        cycle = model["dense_mean"]
-    # The delayed batch is prepared while the worker's previous step runs (as in
-    # `simulator.calibrate.predict_sync_step_time`): its cycle is the longer of the two.
-    # The straggler is the simulator's last worker; the workers are alike otherwise.
-    stragglers = {"count": 1, "slowdown": max(cycle, delay) / cycle}
+                    "apply_time": model["apply_time"] + model["gap"]}
+    # The straggler is the simulator's last worker; its batch is prepared while it computes.
+    # Every task of the in-process cluster (the ps task's apply functions and the
+    # coordinator included) shares this machine's cores.
     result = simulator.run(simulator.Scenario.from_dict(
-        {"name": f"hybrid benchmark {mode}", "workers": workers, "training": training,
-         "stragglers": stragglers}))
+        {"name": f"hybrid benchmark {mode}", "workers": {"count": WORKERS, **workers},
+         "training": training, "stragglers": {"count": 1, "input_delay": delay},
+         "machine": {"cores": model["cores"], "background": background,
+                     "ps": mode != "async"}}))
     return result.steps_per_second
 
 
@@ -282,6 +467,9 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--plot", help="write the AUC against wall time figure (PNG)")
     parser.add_argument("--trace", help="with --one: write the run's trace CSV here")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every mode, each calibrating its own predictions; "
+                             "the table has their means (1)")
     args = parser.parse_args(argv)
     args.steps = args.steps or (96 if args.quick else 960)
     args.epochs = args.epochs or (2 if args.quick else 4)
@@ -295,62 +483,92 @@ def main(argv=None):
     folder = tempfile.mkdtemp(prefix="hybrid-")
     probe = _child(args, "sync", 0, 0.0, max(32, args.steps // WORKERS // 2))
     delay = 3 / probe["steps_per_s"]
+    ncores = cores()
     print(f"# hybrid: {WORKERS} workers, 1 ps, batch {BATCH}, Zipf({ZIPF}) ids over "
-          f"{ROWS:,} x {DIM} rows; probe sync {probe['steps_per_s']:.1f} steps/s, worker 0 "
-          f"held back {1000 * delay:.0f} ms per batch", flush=True)
-    runs = {}
-    for name, mode, backups, _ in MODES:
-        updates = args.steps if mode == "async" else args.steps // (WORKERS - backups)
-        trace = os.path.join(folder, f"{mode}{backups}.csv")
-        runs[name] = _child(args, mode, backups, delay, updates, trace)
-        r = runs[name]
-        print(f"  {name:18s} {r['steps_per_s']:7.2f} steps/s steady, "
-              f"{r['steps_per_s_call']:7.2f} whole call, AUC {r['auc']:.4f}, "
-              f"dropped {r['dropped']:.0f}", flush=True)
-    model = calibrate(runs["sync"]["trace"], runs["hybrid"]["trace"])
-    print(f"# calibrated: dense step {1000 * model['dense_mean']:.1f} ms (gap "
-          f"{1000 * model['gap']:.1f} ms), row update {1000 * model['embedding_time']:.2f} ms, "
-          f"hybrid apply {1000 * model['apply_time']:.1f} ms, sync apply "
-          f"{1000 * model['sync_apply']:.1f} ms", flush=True)
+          f"{ROWS:,} x {DIM} rows, {ncores} cores; probe sync {probe['steps_per_s']:.1f} "
+          f"steps/s, worker 0 held back {1000 * delay:.0f} ms per batch; traces in {folder}",
+          flush=True)
+    repeats, loads = [], []
+    for repeat in range(args.repeats):
+        runs = {}
+        for name, mode, backups, _ in MODES:
+            updates = args.steps if mode == "async" else args.steps // (WORKERS - backups)
+            trace = os.path.join(folder, f"{mode}{backups}-{repeat}.csv")
+            runs[name] = r = _child(args, mode, backups, delay, updates, trace)
+            loads.append(os.getloadavg()[0])
+            print(f"  {repeat + 1}/{args.repeats} {name:18s} {r['steps_per_s']:7.2f} steps/s "
+                  f"steady, {r['steps_per_s_call']:7.2f} whole call, AUC {r['auc']:.4f}, "
+                  f"dropped {r['dropped']:.0f}; cores used: its {r['cores_used']:.2f}, other "
+                  f"jobs' {r['other_cores']:.2f}; load average {loads[-1]:.1f}", flush=True)
+        model = calibrate(runs["sync"], runs["hybrid"], ncores)
+        print(f"  calibrated, seconds of work on a core of its own: a fast worker's gradient "
+              f"function {1000 * model['sync_dense_mean']:.1f} ms (sync), "
+              f"{1000 * model['hybrid_gradient_mean']:.1f} ms (hybrid); row update "
+              f"{1000 * model['embedding_time']:.2f} ms; apply "
+              f"{1000 * model['apply_time']:.1f} ms (hybrid), "
+              f"{1000 * model['sync_apply']:.1f} ms (sync); coordinator gap "
+              f"{1000 * model['gap']:.1f} ms", flush=True)
+        for name, mode, backups, _ in MODES:
+            r = runs[name]
+            r["predicted_steps_per_s"] = predict(model, mode, backups, delay,
+                                                 r["other_cores"])
+            r["error"] = r["predicted_steps_per_s"] / r["steps_per_s"] - 1
+        repeats.append({"calibration": {k: v for k, v in model.items()
+                                        if not isinstance(v, list) or k == "scale"},
+                        "results": runs})
 
-    anchor = runs["sync"]
-    anchor_examples = anchor["steps_per_s"] * WORKERS * BATCH
-    lines = ["| mode | steps/s (steady) | steps/s (whole call) | examples/s | simulator "
-             "steps/s | error | AUC | AUC gap to sync | speed-up over sync | dropped |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    errors = {}
+    def mean(name, key):
+        return statistics.mean(rep["results"][name][key] for rep in repeats)
+
+    anchor_examples = mean("sync", "steps_per_s") * WORKERS * BATCH
+    lines = ["| mode | steps/s (steady) | steps/s (whole call) | examples/s | other jobs' "
+             "cores | simulator steps/s | error | AUC | AUC gap to sync | speed-up over "
+             "sync | dense gradients dropped |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    errors, summary = {}, {}
     for name, mode, backups, calibration in MODES:
-        r = runs[name]
-        per_update = 1 if mode == "async" else WORKERS - backups
-        examples = r["steps_per_s"] * per_update * BATCH
-        predicted = predict(model, mode, backups, delay)
-        error = predicted / r["steps_per_s"] - 1
-        r.update(examples_per_s=examples, predicted_steps_per_s=predicted, error=error,
-                 auc_gap=r["auc"] - anchor["auc"], speedup=examples / anchor_examples)
+        measured, predicted = mean(name, "steps_per_s"), mean(name, "predicted_steps_per_s")
+        examples = measured * (1 if mode == "async" else WORKERS - backups) * BATCH
+        error = predicted / measured - 1
+        summary[name] = row = {
+            "steps_per_s": measured, "steps_per_s_call": mean(name, "steps_per_s_call"),
+            "examples_per_s": examples, "other_cores": mean(name, "other_cores"),
+            "predicted_steps_per_s": predicted, "error": error,
+            "errors": [rep["results"][name]["error"] for rep in repeats],
+            "auc": mean(name, "auc"), "auc_gap": mean(name, "auc") - mean("sync", "auc"),
+            "speedup": examples / anchor_examples, "dropped": mean(name, "dropped")}
         if not calibration:
             errors[name] = error
         note = " (calibration)" if calibration else ""
-        lines.append(f"| {name} | {r['steps_per_s']:.2f} | {r['steps_per_s_call']:.2f} "
-                     f"| {examples:,.0f} | {predicted:.2f}{note} "
-                     f"| {100 * error:+.1f}% | {r['auc']:.4f} | {r['auc_gap']:+.4f} "
-                     f"| {r['speedup']:.2f}x | {r['dropped']:.0f} |")
+        lines.append(f"| {name} | {measured:.2f} | {row['steps_per_s_call']:.2f} "
+                     f"| {examples:,.0f} | {row['other_cores']:.2f} | {predicted:.2f}{note} "
+                     f"| {100 * error:+.1f}% | {row['auc']:.4f} | {row['auc_gap']:+.4f} "
+                     f"| {row['speedup']:.2f}x | {row['dropped']:.0f} |")
     within = all(abs(e) <= 0.10 for e in errors.values())
+    worst = max(abs(e) for name in errors for e in summary[name]["errors"])
     lines += ["", f"Simulator predictions ({', '.join(errors)}): "
               f"{'within' if within else 'NOT within'} 10% of the measured steady rates "
-              f"(worst {100 * max(abs(e) for e in errors.values()):.1f}%). "
-              f"{args.steps} gradients of {BATCH} examples applied per mode in "
+              f"(worst {100 * max(abs(e) for e in errors.values()):.1f}%; worst single run "
+              f"{100 * worst:.1f}%). Means of {args.repeats} run(s) per mode; "
+              f"{args.steps} gradients of {BATCH} examples applied per run in "
               f"{args.epochs} epochs; worker 0 held back {1000 * delay:.0f} ms per batch; "
-              f"nproc {os.cpu_count()}; {time.perf_counter() - began:.0f} s in all."]
+              f"{ncores} cores; load average {min(loads):.1f} to {max(loads):.1f}; "
+              f"{time.perf_counter() - began:.0f} s in all."]
     print()
     print("\n".join(lines))
     if args.json:
+        dropped = ("trace", "load_samples", "epochs_at")
         with open(args.json, "w") as f:
-            json.dump({"delay": delay, "probe": probe, "calibration": {
-                k: v for k, v in model.items() if k != "dense"}, "steps": args.steps,
-                "epochs": args.epochs, "nproc": os.cpu_count(),
-                "results": {name: {k: v for k, v in r.items() if k != "trace"}
-                            for name, r in runs.items()}}, f, indent=1)
+            json.dump({"delay": delay, "probe": probe, "steps": args.steps,
+                       "epochs": args.epochs, "repeats": args.repeats, "cores": ncores,
+                       "nproc": os.cpu_count(), "load_average": [min(loads), max(loads)],
+                       "summary": summary, "runs": [
+                           {"calibration": rep["calibration"], "results": {
+                               name: {k: v for k, v in r.items() if k not in dropped}
+                               for name, r in rep["results"].items()}}
+                           for rep in repeats]}, f, indent=1)
         print(f"wrote {args.json}")
+    runs = repeats[0]["results"]
     if args.plot:
         import matplotlib
 
@@ -363,7 +581,8 @@ def main(argv=None):
             axes.plot(seconds, aucs, marker="o", label=name)
         axes.set_xlabel("training wall time (s), evaluation excluded")
         axes.set_ylabel("held-out AUC")
-        axes.set_title(f"{WORKERS} workers, worker 0 3x slower: AUC against wall time")
+        axes.set_title(f"{WORKERS} workers, worker 0 3x slower: AUC against wall time"
+                       + (" (run 1)" if args.repeats > 1 else ""))
         axes.grid(alpha=0.3)
         axes.legend()
         figure.tight_layout()

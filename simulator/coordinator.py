@@ -64,9 +64,13 @@ class SyncPolicy:
     """Synchronous training with `backup_workers` (drop the slowest).
 
     Every member works on the current step; the step completes as soon as
-    `members - backup_workers` gradients have arrived. The workers still
-    computing are cancelled (their gradients are dropped) and everybody
-    starts the next step together. A crashed worker stays a member, so a step
+    `members - backup_workers` gradients have arrived. With `late_workers="cancel"`
+    the workers still computing are cancelled (their gradients are dropped) and
+    everybody starts the next step together. With `"finish"`, as in kerasps, a late
+    worker finishes its step and its gradient is dropped when it arrives; a worker
+    that was busy when a step started joins it only if the step would be short of
+    gradients without it (kerasps schedules the step's function behind it then),
+    otherwise it waits for the next step. A crashed worker stays a member, so a step
     without enough live workers waits for restarts; permanent losses and
     elastic leaves shrink the quorum.
 
@@ -77,15 +81,17 @@ class SyncPolicy:
     """
 
     mode = Mode.SYNC
-    cancels_late = True  # the simulator's sync policy cancels late workers' work
 
     def __init__(self, coordinator: Coordinator, backup_workers: int = 0,
-                 apply_time: float = 0.0):
+                 apply_time: float = 0.0, late_workers: str = "cancel", machine=None):
         self.coordinator = coordinator
         self.backup_workers = backup_workers
         self.apply_time = apply_time
+        self.cancels_late = late_workers == "cancel"
+        self.machine = machine  # `None`, or the `Machine` the apply function computes on
         self.received = 0
         self.in_flight = 0
+        self.current = 0  # workers computing the current step
         self.applying = False  # between a step's last kept gradient and its update
         self._generation = 0  # bumped by `reset`: an apply in progress is void
         self._row_seconds = 0.0  # the kept workers' row updates (sync mode)
@@ -96,17 +102,23 @@ class SyncPolicy:
         return max(1, self.coordinator.members - self.backup_workers)
 
     def start(self, worker):
-        if self.applying or worker.pushed == self.coordinator.version:
+        c = self.coordinator
+        if self.applying or worker.pushed == c.version:
             return self.step_done  # already contributed to this step
+        if worker.missed == c.version and self.received + self.current >= self.quorum:
+            return self.step_done  # busy when the step started, and not needed
         self.in_flight += 1
+        self.current += 1
         return None
 
     def push(self, worker, version):
         c = self.coordinator
         self.in_flight -= 1
-        if version != c.version or self.applying:  # cannot happen with cancellation
-            c.metrics.dropped += 1
+        if version != c.version or self.applying:  # a late worker (never when cancelled)
+            c.metrics.dropped += 1  # its gradient: the step it was for has its quorum
+            worker.missed = c.version
             return None
+        self.current -= 1
         self.received += 1
         self._row_seconds += worker.embedding_seconds
         worker.pushed = version
@@ -118,6 +130,8 @@ class SyncPolicy:
     def lost(self, worker):
         """`worker`'s in-flight step was interrupted."""
         self.in_flight -= 1
+        if worker.version == self.coordinator.version and not self.applying:
+            self.current -= 1
 
     def on_membership_change(self):
         if self.received and self.received >= self.quorum and not self.applying:
@@ -155,7 +169,8 @@ class SyncPolicy:
         c.apply(gradients)
 
     def _apply_after(self, delay: float, gradients: int, generation: int):
-        yield self.coordinator.env.timeout(delay)
+        env = self.coordinator.env
+        yield env.timeout(delay) if self.machine is None else self.machine.compute(delay)
         if generation != self._generation:  # rolled back meanwhile
             return
         self.applying = False
@@ -163,73 +178,43 @@ class SyncPolicy:
         self.coordinator.apply(gradients)
 
     def _next_step(self):
+        self.current = 0
         done, self.step_done = self.step_done, self.coordinator.env.event()
         done.succeed()
 
 
 class HybridPolicy(SyncPolicy):
     """Hybrid training (kerasps' `mode="hybrid"`): the dense gradients make global steps
-    as in `SyncPolicy`, and each worker's row update is applied when its step ends.
+    as in `SyncPolicy` with `late_workers="finish"`, and each worker's row update is
+    applied when its step ends.
 
     As in kerasps, a late worker is not cancelled: it finishes its step, its row update
     is applied (`Metrics.row_updates`, with its staleness in global steps) and its dense
-    gradient is dropped. A worker that was busy when a step started joins it only if
-    the step would be short of gradients without it (kerasps schedules the step's
-    function behind it then); otherwise it waits for the next step.
+    gradient is dropped.
     """
 
     mode = Mode.HYBRID
-    cancels_late = False
 
     def __init__(self, coordinator: Coordinator, backup_workers: int = 0,
-                 apply_time: float = 0.0):
-        super().__init__(coordinator, backup_workers, apply_time)
-        self.current = 0  # workers computing the current step
-
-    def start(self, worker):
-        c = self.coordinator
-        if self.applying or worker.pushed == c.version:
-            return self.step_done
-        if worker.missed == c.version and self.received + self.current >= self.quorum:
-            return self.step_done  # busy when the step started, and not needed
-        self.in_flight += 1
-        self.current += 1
-        return None
+                 apply_time: float = 0.0, machine=None):
+        super().__init__(coordinator, backup_workers, apply_time, "finish", machine)
 
     def push(self, worker, version):
         c = self.coordinator
-        m = c.metrics
-        m.row_updates += 1  # applied on arrival, whatever becomes of the dense gradient
-        m.staleness.append(c.version - version)
-        self.in_flight -= 1
-        if version != c.version or self.applying:
-            m.dropped += 1  # its dense gradient: the step it was for has its quorum
-            worker.missed = c.version
-            return None
-        self.current -= 1
-        self.received += 1
-        worker.pushed = version
-        if self.received >= self.quorum:
-            self._complete()
-            return None
-        return self.step_done
-
-    def lost(self, worker):
-        super().lost(worker)
-        if worker.version == self.coordinator.version and not self.applying:
-            self.current -= 1
-
-    def _next_step(self):
-        self.current = 0
-        super()._next_step()
+        c.metrics.row_updates += 1  # applied on arrival, whatever becomes of the dense part
+        c.metrics.staleness.append(c.version - version)
+        return super().push(worker, version)
 
 
-def make_policy(coordinator: Coordinator, training: TrainingSpec):
-    """The dispatch policy for `training.mode`."""
+def make_policy(coordinator: Coordinator, training: TrainingSpec, machine=None):
+    """The dispatch policy for `training.mode` (`machine`: where apply functions compute,
+    or `None`)."""
     if training.mode is Mode.SYNC:
-        return SyncPolicy(coordinator, training.backup_workers, training.apply_time)
+        return SyncPolicy(coordinator, training.backup_workers, training.apply_time,
+                          training.late_workers, machine)
     if training.mode is Mode.HYBRID:
-        return HybridPolicy(coordinator, training.backup_workers, training.apply_time)
+        return HybridPolicy(coordinator, training.backup_workers, training.apply_time,
+                            machine)
     return AsyncPolicy(coordinator, training.max_staleness)
 
 
@@ -250,7 +235,8 @@ class Coordinator:
     """
 
     def __init__(self, env: simpy.Environment, training: TrainingSpec,
-                 checkpoint: CheckpointSpec, metrics: Metrics, max_restarts: int | None = None):
+                 checkpoint: CheckpointSpec, metrics: Metrics, max_restarts: int | None = None,
+                 machine=None):
         self.env = env
         self.training = training
         self.checkpoint = checkpoint
@@ -273,7 +259,7 @@ class Coordinator:
         self.process: simpy.Process | None = None
         self.checkpoint_due = env.event()
         self.writing = False
-        self.policy = make_policy(self, training)
+        self.policy = make_policy(self, training, machine)
         self._every = checkpoint.every
         self._steps = training.steps
 

@@ -23,7 +23,7 @@ A hybrid scenario gives the embedding part of a worker step its own cost
 spends them.
 
 and optionally `[stragglers]`, `[ps]`, `[network]`, `[model]`, `[checkpoint]`,
-`[failures]`, `[elastic]`, `[host]` and `[table]` (see the `*Spec` classes for
+`[failures]`, `[elastic]`, `[host]`, `[machine]` and `[table]` (see the `*Spec` classes for
 their keys). Everything is validated when the file is loaded: unknown keys,
 negative rates and impossible settings raise a `ScenarioError` naming the key
 and the value received.
@@ -63,6 +63,7 @@ __all__ = [
     "ElasticEvent",
     "ElasticSpec",
     "HostSpec",
+    "MachineSpec",
     "DynamicTableSpec",
     "Scenario",
     "load_scenario",
@@ -125,6 +126,12 @@ class StragglersSpec:
         tail_slowdown: multiplier of a straggler step (the minimum if `tail_alpha` is set).
         tail_alpha: if set, straggler multipliers are Pareto with this shape
             and minimum `tail_slowdown` (a heavy tail).
+        input_delay: seconds each batch of those `count` workers' input is held back, off
+            the CPU (`kerasps.input.slowed`). A batch is prepared while its worker
+            computes, from when the worker took the previous one, so such a worker
+            starts a step's computation no sooner than `input_delay` after it took its
+            previous batch: its steps take the longer of the two, and the wait is part of
+            the step (a sync step's function waits for its batch).
     """
 
     count: int = 0
@@ -132,6 +139,7 @@ class StragglersSpec:
     tail_probability: float = 0.0
     tail_slowdown: float = 1.0
     tail_alpha: float | None = None
+    input_delay: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +236,13 @@ class TrainingSpec:
             (averaging the kept dense gradients on the ps tasks and applying the mean),
             once a step has its gradients and before the next step starts; in sync mode
             the kept row updates' `workers.embedding_time` adds to it.
+        late_workers: sync and hybrid: what becomes of a worker still computing when its
+            step has its gradients. `"cancel"` (sync's default: the model of Chen et al.'s
+            analysis, whose closed forms the tests check): it stops and starts the next
+            step with the others. `"finish"` (hybrid's only choice, and what kerasps does
+            in both modes): it finishes its step, whose dense gradient is dropped, and
+            joins the next step only if that step would be short of gradients without
+            it, otherwise the one after. `None` in async mode.
     """
 
     mode: Mode = Mode.ASYNC
@@ -236,6 +251,7 @@ class TrainingSpec:
     max_staleness: int | None = None
     max_time: float = math.inf
     apply_time: float = 0.0
+    late_workers: str | None = "cancel"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,6 +353,37 @@ class HostSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class MachineSpec:
+    """`[machine]`: the workers share the cores of one machine, each step's computation
+    taking its share of them (processor sharing; `simulator.machine`).
+
+    When `cores` is set, a worker step's `workers.step_time` (and, in async and hybrid
+    modes, its `workers.embedding_time`) is seconds of work on a core of its own (a
+    straggler's `slowdown` scales it), and while `n` steps compute at once each does
+    `min(1, (cores - background) / n)` seconds of it per second: a step alone is not
+    slowed, 4 steps on 2 idle cores take twice as long. The folded ps and network time of a
+    step is spent after its computation, off the cores. Unlike `[host]` (a queue for
+    a separate `host.cpu_time`, one step on a CPU at a time), nothing waits its turn.
+
+    Attributes:
+        cores: the cores (`None`: every worker has a core of its own, the default).
+        background: cores that other jobs on the machine keep busy (a mean, less than
+            `cores`); the steps share the rest. Linux shares the cores fairly among
+            sessions or cgroups first, so another busy job keeps its share however many
+            threads the job's steps run: measure what the other processes use
+            (`/proc/PID/stat`), not their runnable threads.
+        ps: whether the ps tasks run on the machine too (an in-process cluster): a
+            global step's apply function (`training.apply_time`, and in sync mode the
+            kept row updates) then computes on the cores as well. (An async step
+            applies its own gradient: that is in `workers.step_time` already.)
+    """
+
+    cores: int | None = None
+    background: float = 0.0
+    ps: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class DynamicTableSpec:
     """`[table]`: a `kerasps.layers.DynamicEmbedding` table the workers look ids up in.
 
@@ -379,6 +426,7 @@ class Scenario:
     failures: FailuresSpec = FailuresSpec()
     elastic: ElasticSpec = ElasticSpec()
     host: HostSpec = HostSpec()
+    machine: MachineSpec = MachineSpec()
     table: DynamicTableSpec | None = None
     raw: Mapping = dataclasses.field(default_factory=dict, compare=False, repr=False)
     source: str | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -498,10 +546,15 @@ def _parse(data: dict, source: str | None, base_dir: str | None) -> Scenario:
         tail_probability=s.number("tail_probability", 0.0, non_negative=True, maximum=1.0),
         tail_slowdown=s.number("tail_slowdown", 1.0, positive=True),
         tail_alpha=s.number("tail_alpha", None, positive=True),
+        input_delay=s.number("input_delay", 0.0, non_negative=True),
     )
     if stragglers.count > workers.count:
         raise s.error("count", stragglers.count,
                       f"there are only {workers.count} workers (`workers.count`)")
+    if stragglers.input_delay and not stragglers.count:
+        raise s.error("input_delay", stragglers.input_delay,
+                      "it delays the input of the `stragglers.count` slow workers, and "
+                      "there are none; set `stragglers.count`")
     s.finish()
 
     p = top.table("ps", {})
@@ -556,13 +609,36 @@ def _parse(data: dict, source: str | None, base_dir: str | None) -> Scenario:
         raise invalid_value(f"host.{missing}", None,
                             "`host.cpus` and `host.cpu_time` must be given together", source)
     h.finish()
+    machine = _parse_machine(top.table("machine", {}), host, training)
     table = _parse_table(top.table("table")) if top.has("table") else None
     top.finish()
     return Scenario(workers=workers, name=name, description=description, seed=seed,
                     stragglers=stragglers, ps=ps, network=network, model=model,
                     training=training, checkpoint=checkpoint, failures=failures,
-                    elastic=elastic, host=host, table=table, raw=data, source=source,
+                    elastic=elastic, host=host, machine=machine, table=table, raw=data,
+                    source=source,
                     base_dir=base_dir)
+
+
+def _parse_machine(t: Table, host: HostSpec, training: TrainingSpec) -> MachineSpec:
+    spec = MachineSpec(cores=t.integer("cores", None, minimum=1),
+                       background=t.number("background", 0.0, non_negative=True),
+                       ps=t.boolean("ps", False))
+    if spec.cores is not None and spec.background >= spec.cores:
+        raise t.error("background", spec.background,
+                      f"other jobs must leave some of the {spec.cores} cores "
+                      "(`machine.cores`) to the workers")
+    if spec.cores is None:
+        for name in ("background", "ps"):
+            if t.has(name):
+                raise t.error(name, t.raw(name), "it describes the shared cores of "
+                              "`machine.cores`, which is not set")
+    elif host.cpus is not None:
+        raise t.error("cores", spec.cores,
+                      "`[host]` already shares a CPU among the workers (a queue for "
+                      "`host.cpu_time`); give one of `[host]` and `[machine]`")
+    t.finish()
+    return spec
 
 
 def _parse_table(t: Table) -> DynamicTableSpec:
@@ -649,6 +725,18 @@ def _parse_training(t: Table, num_workers: int) -> TrainingSpec:
         max_time=t.number("max_time", math.inf, positive=True, allow_inf=True),
         apply_time=t.number("apply_time", 0.0, non_negative=True),
     )
+    mode = training.mode
+    late = t.string("late_workers", None)
+    if late is not None and mode is Mode.ASYNC:
+        raise t.error("late_workers", late, "no worker is late in async mode: every "
+                      'gradient is applied; it needs `training.mode = "sync"` or `"hybrid"`')
+    if late is not None and late not in ("cancel", "finish"):
+        raise t.error("late_workers", late, "expected one of ['cancel', 'finish']")
+    if late == "cancel" and mode is Mode.HYBRID:
+        raise t.error("late_workers", late, "in hybrid mode a late worker's row update is "
+                      'applied, so it finishes its step (kerasps does); use "finish"')
+    default = {Mode.ASYNC: None, Mode.SYNC: "cancel", Mode.HYBRID: "finish"}[mode]
+    training = dataclasses.replace(training, late_workers=late or default)
     if training.backup_workers and training.mode is Mode.ASYNC:
         raise t.error("backup_workers", training.backup_workers,
                       'backup workers need `training.mode = "sync"` or `"hybrid"`')

@@ -12,6 +12,7 @@ import simpy
 from simulator import elastic, failures
 from simulator import link as link_lib
 from simulator.coordinator import Coordinator, coordinator
+from simulator.machine import Machine
 from simulator.metrics import Metrics, Result
 from simulator.network import Network
 from simulator.ps import ParameterServer, place_variables, ps
@@ -38,8 +39,11 @@ class Cluster:
         self.scenario = scenario
         self.env = env = simpy.Environment()
         self.metrics = Metrics(record_events)
+        m = scenario.machine
+        self.machine = Machine(env, m.cores, m.background) if m.cores else None
         self.coordinator = Coordinator(env, scenario.training, scenario.checkpoint, self.metrics,
-                                       scenario.failures.max_restarts)
+                                       scenario.failures.max_restarts,
+                                       self.machine if m.ps else None)
         self.coordinator.min_members = scenario.elastic.min_workers
         self.coordinator.process = env.process(coordinator(env, self.coordinator))
         self.placement = place_variables(scenario.model, scenario.ps.count)
@@ -88,10 +92,11 @@ class Cluster:
         s = self.scenario
         index = len(self.coordinator.workers)
         slow = s.workers.count - s.stragglers.count <= index < s.workers.count
+        overhead = self.step_overhead()  # with shared cores, spent off them after the work
         durations = step_durations(
             s.workers.step_time, self.rng(_WORKER_STREAM, index),
             slowdown=s.stragglers.slowdown if slow else 1.0,
-            stragglers=s.stragglers, overhead=self.step_overhead())
+            stragglers=s.stragglers, overhead=0.0 if self.machine else overhead)
         links = None
         if not math.isinf(s.network.worker_bandwidth):  # its own link: (in, out)
             links = link_lib.duplex(self.env, s.network.worker_bandwidth,
@@ -102,7 +107,9 @@ class Cluster:
             embeddings = step_durations(s.workers.embedding_time,
                                         self.rng(_EMBEDDING_STREAM, index))
         w = Worker(index, durations, self._extra(index, links), embeddings,
-                   embedding_in_step=s.training.mode is not Mode.SYNC)
+                   embedding_in_step=s.training.mode is not Mode.SYNC, machine=self.machine,
+                   latency=overhead if self.machine else 0.0,
+                   input_delay=s.stragglers.input_delay if slow else 0.0)
         self.coordinator.workers.append(w)
         self.coordinator.join(w)
         w.process = self.env.process(worker(self.env, w, self.coordinator))

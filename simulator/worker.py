@@ -2,7 +2,7 @@
 
 One simulated step costs one simpy event in the common case: step times are
 drawn in NumPy batches, and the ps and network time of a step is folded into
-its delay (unless `ps.contention` or `[host]` ask for shared resources).
+its delay (unless `ps.contention`, `[host]` or `[machine]` ask for shared resources).
 """
 
 from __future__ import annotations
@@ -67,12 +67,21 @@ class Worker:
             (async and hybrid) rather than of the global step's apply (sync).
         embedding_seconds: the row update's seconds of its latest step.
         version: the global step its latest step read.
-        missed: hybrid: the global step that was current when its latest gradient
-            came too late for its own (`None` if it never did).
+        missed: sync and hybrid with late workers finishing: the global step that was
+            current when its latest gradient came too late for its own (`None` if it
+            never did).
+        machine: `None`, or the `Machine` whose cores its steps compute on (`[machine]`);
+            its drawn step times are then seconds of work there.
+        latency: with `machine`: seconds a step spends after its computation, off the
+            cores (folded ps and network time).
+        input_delay: seconds each of its batches is held back (`stragglers.input_delay`).
+        input_ready: when its next batch is ready.
+        job: the done event of its computation in progress on `machine`, or `None`.
     """
 
     def __init__(self, index: int, durations, extra=None, embeddings=None,
-                 embedding_in_step: bool = True):
+                 embedding_in_step: bool = True, machine=None, latency: float = 0.0,
+                 input_delay: float = 0.0):
         self.index = index
         self.durations = durations
         self.extra = extra
@@ -81,6 +90,11 @@ class Worker:
         self.embedding_seconds = 0.0
         self.version = None
         self.missed = None
+        self.machine = machine
+        self.latency = latency
+        self.input_delay = input_delay
+        self.input_ready = 0.0
+        self.job = None
         self.up = True
         self.in_flight = False
         self.pushed = None
@@ -119,7 +133,18 @@ def worker(env: simpy.Environment, w: Worker, coordinator):
                 w.embedding_seconds = next(w.embeddings)
                 if w.embedding_in_step:
                     drawn += w.embedding_seconds
-            yield env.timeout(drawn)
+            if w.input_delay:  # its batch, prepared since it took the previous one
+                if w.input_ready > env.now:
+                    yield env.timeout(w.input_ready - env.now)
+                w.input_ready = env.now + w.input_delay
+            if w.machine is None:
+                yield env.timeout(drawn)
+            else:
+                w.job = w.machine.compute(drawn)
+                yield w.job
+                w.job = None
+                if w.latency:
+                    yield env.timeout(w.latency)
             if w.extra is not None:
                 yield from w.extra()
             w.in_flight = False
@@ -132,13 +157,18 @@ def worker(env: simpy.Environment, w: Worker, coordinator):
                 yield wait
         except simpy.Interrupt as interrupt:
             cause = interrupt.cause
+            if w.job is not None:  # its computation stops taking a share of the cores
+                w.machine.cancel(w.job)
+                w.job = None
             if w.in_flight:
                 w.in_flight = False
                 policy.lost(w)
                 outcome = "dropped" if isinstance(cause, Cancel) else "lost"
                 if outcome == "dropped":
                     metrics.dropped += 1
-                    if w.extra is None:  # its time is the drawn one; else queueing adds to it
+                    # Its time is the drawn one, unless queueing, shared cores or a held
+                    # back batch add to it.
+                    if w.extra is None and w.machine is None and not w.input_delay:
                         metrics.dropped_step_times.append(drawn)
                 else:
                     metrics.lost += 1
