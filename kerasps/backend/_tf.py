@@ -483,15 +483,38 @@ def _keep_pinned_functions_on_worker_failure():
         old = self._tagged_queue[tag]
         original(self, tag)
         with self._queue_lock:
-            while not old.empty():
-                closure = old.get(block=False)
-                if isinstance(closure, cluster_coordinator.ResourceClosure):
-                    continue  # rebuilt when the worker recovers
-                self.inflight_closure_count -= 1  # counted again when taken from the queue
-                self._queue.put(closure, block=False)
-                self._closures_queued_condition.notify()
+            _move_to_shared_queue(self, old)
 
     queue_cls.clear_tag_unlocked = clear_tag_unlocked
+
+
+def _move_to_shared_queue(closures, tagged, keep_resources=False):
+    """Moves the functions of `schedule_on` in `tagged` (a worker's own queue) to the
+    shared queue of `closures`, for any worker to run. Per-worker resources stay in
+    `tagged` with `keep_resources`, else are dropped (TensorFlow builds them again when
+    the worker recovers). Holds `_queue_lock`."""
+    resources = []
+    while not tagged.empty():
+        closure = tagged.get(block=False)
+        if isinstance(closure, cluster_coordinator.ResourceClosure):
+            resources.append(closure)
+            continue
+        closures.inflight_closure_count -= 1  # counted again when taken from the queue
+        closures._queue.put(closure, block=False)
+        closures._closures_queued_condition.notify()
+    for closure in resources if keep_resources else ():
+        tagged.put(closure, block=False)
+
+
+def release_pinned_functions(tf_coordinator, worker_index):
+    """Lets any worker run the functions `schedule_on` queued for worker `worker_index`,
+    which left the pool: they would wait for it, TensorFlow moving them only when a
+    function it runs there fails (its thread then waits for the worker to come back
+    without looking at its queue)."""
+    closures = tf_coordinator._cluster.closure_queue
+    with closures._queue_lock:
+        _move_to_shared_queue(closures, closures._tagged_queue[worker_index],
+                              keep_resources=True)
 
 
 def sleep_dataset(dataset, seconds: float):

@@ -32,7 +32,7 @@ import time
 import tensorflow as tf
 
 from kerasps.backend import _keras, _tf
-from kerasps.keras.trainer import staleness
+from kerasps.keras.trainer import elastic, staleness
 from kerasps.keras.trainer.steps import step_functions
 from kerasps.policy.consistency import ON_ARRIVAL, SyncStep, updated_on_arrival
 
@@ -307,12 +307,7 @@ class SyncSteps:
         """Runs global step `version` of `step(*args)`; returns `(results of the kept
         gradient functions (`None`s without logs), gradients dropped)`."""
         step = SyncStep(version, self.needed)
-        busy = [worker for _, _, worker in self.running.values()]
-        workers = [w for w in range(self.num_workers) if w not in busy]
-        # Short of idle workers: queue behind the least busy ones.
-        workers += sorted(set(range(self.num_workers)) - set(workers), key=busy.count)[
-            :max(0, self.needed - len(workers))]
-        for worker in workers:
+        for worker in self._workers_for_a_step():
             self._launch(step, worker, args, with_logs)
         deadline = time.monotonic() + self.timeout
         results = []
@@ -320,6 +315,7 @@ class SyncSteps:
             if time.monotonic() > deadline:
                 self._time_out(step)
             results += self._collect(wait=True, deadline=deadline)
+            self._pool()  # a worker that left meanwhile holds none of the step's functions
         kept = sorted(step.kept)
         remote = self.coordinator.schedule(self.apply_fn, args=(tf.constant(kept, tf.int32),))
         self.coordinator.label(remote, kind="apply", version=version)
@@ -327,6 +323,32 @@ class SyncSteps:
         self.free.extend(kept)
         step.finish()
         return results, step.dropped
+
+    def _workers_for_a_step(self) -> list[int]:
+        """A function for each idle worker of the pool; short of them, more queued behind
+        the least busy. A worker that left the pool (`elastic.watcher`) gets none."""
+        pool = self._pool()
+        load = dict.fromkeys(pool, 0)
+        for _, _, worker in self.running.values():
+            if worker in load:
+                load[worker] += 1
+        workers = [w for w in pool if load[w] == 0]
+        for worker in workers:
+            load[worker] += 1
+        while len(workers) < self.needed:
+            worker = min(pool, key=load.get)
+            workers.append(worker)
+            load[worker] += 1
+        return workers
+
+    def _pool(self) -> list[int]:
+        """The workers running as the pool last saw them (all if none does); functions
+        queued for the others go to whichever worker is free."""
+        running = elastic.watcher(self.coordinator).membership.running
+        pool = [w for w in range(self.num_workers) if w in running]
+        for worker in set(range(self.num_workers)) - set(pool) if pool else ():
+            _tf.release_pinned_functions(self.coordinator._tf_coordinator, worker)
+        return pool or list(range(self.num_workers))
 
     def drain(self):
         """Waits for the gradients still computing (all dropped) and frees their slots."""
