@@ -1,6 +1,24 @@
-"""`kerasps.layers`: the public names of `kerasps.keras.layers`, where they live."""
+"""`kerasps.layers`: the public names of `kerasps.keras.layers`, where they live.
+
+`DynamicTableConfig` needs keras-rs (an optional dependency, `pip install "kerasps[rs]"`):
+it is imported on first use, so that importing this module does not import keras-rs.
+"""
+
+import importlib
 
 from kerasps.keras.layers.dynamic_embedding import DynamicEmbedding
 from kerasps.keras.layers.rs_tables import table_optimizers
 
-__all__ = ["DynamicEmbedding", "table_optimizers"]
+__all__ = ["DynamicEmbedding", "DynamicTableConfig", "table_optimizers"]  # noqa: F822 (lazy)
+
+
+def __getattr__(name):
+    if name != "DynamicTableConfig":
+        raise AttributeError(f"module 'kerasps.layers' has no attribute {name!r}")
+    value = importlib.import_module("kerasps.keras.layers.rs_dynamic").DynamicTableConfig
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

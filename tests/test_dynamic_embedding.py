@@ -1,6 +1,7 @@
 """`kerasps.layers.DynamicEmbedding`: admission, eviction, training, concurrent inserts,
 state (checkpoints, resharding, export, weights) and its policy arithmetic."""
 
+import json
 import os
 import pickle
 import subprocess
@@ -517,6 +518,72 @@ def test_fit_trains_with_eviction_and_logs_the_table(make_strategy, mode):
     assert len(rows) == 128 and len({r for r, _, _ in rows.values()}) == 128
     stats = layer.table_stats()
     assert stats["admitted"] - stats["evicted"] == 128
+
+
+TWO_LOOKUPS_FIT = r"""
+import json, sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import kerasps
+from kerasps.layers import DynamicEmbedding
+
+strategy = kerasps.ParameterServerStrategy(kerasps.cluster.in_process(2, 2))
+with strategy.scope():
+    items = keras.Input((1,), dtype="int64", name="item")
+    tags = keras.Input((1,), dtype="int64", name="tag")
+    first = DynamicEmbedding(4, capacity=64, num_partitions=2, name="items")
+    second = (first if sys.argv[1] == "one layer called twice"
+              else DynamicEmbedding(4, capacity=64, num_partitions=2, name="tags"))
+    x = keras.layers.Concatenate()([keras.layers.Flatten()(first(items)),
+                                    keras.layers.Flatten()(second(tags))])
+    model = keras.Model([items, tags], keras.layers.Dense(1)(x))
+    model.compile(keras.optimizers.Adagrad(0.1), "mse")
+
+
+def dataset_fn(context):
+    ids = np.random.default_rng(context.input_pipeline_id).integers(0, 300, size=(4096, 2))
+    return tf.data.Dataset.from_tensor_slices(
+        ((ids[:, :1], ids[:, 1:]), (ids[:, 0] % 2).astype("float32"))).batch(8).repeat()
+
+
+for _ in range(3):
+    model.fit(kerasps.DatasetCreator(dataset_fn), epochs=1, steps_per_epoch=100, verbose=0)
+print(json.dumps({"clock": first.stats.numpy()[:, 0].tolist()}))
+"""
+DEADLINE_S = 120  # the fits take seconds; each hung within 100 steps before its fix
+
+
+@pytest.mark.parametrize("model,lookups_per_step", [("two layers", 1),
+                                                    ("one layer called twice", 2)])
+def test_two_training_lookups_in_one_step_do_not_deadlock_two_workers(model, lookups_per_step,
+                                                                        tmp_path):
+    """Two workers, two ps tasks, two training lookups of tables spanning both per step.
+
+    * Two layers: each shard's lock is a mutex of its own. Made eagerly, every
+      `tf.CriticalSection()` of a ps task was one mutex, and a step could wait for itself.
+    * One layer called twice: a lookup's locks wait for the previous lookup of the table
+      in the step (`Table._after_previous_lookup`). TensorFlow releases a step's locks in
+      program order across ps tasks, so a worker holding its second lookup's lock on one
+      ps task waited for its first lookup's on the other, held by another worker waiting
+      for the first worker's.
+
+    A deadlock would hang the session's shared cluster: the fits run in a subprocess whose
+    timeout is the deadline."""
+    try:
+        result = subprocess.run([sys.executable, "-c", TWO_LOOKUPS_FIT, model],
+                                capture_output=True, text=True, timeout=DEADLINE_S,
+                                cwd=tmp_path)
+    except subprocess.TimeoutExpired as expired:
+        stderr = expired.stderr or b""
+        stderr = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr
+        pytest.fail(f"3 fits of 100 steps with {model} did not end within {DEADLINE_S} s "
+                    f"(a deadlock?); the last lines of their stderr:\n{stderr[-2000:]}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    clock = json.loads(result.stdout.splitlines()[-1])["clock"]
+    assert clock == [300 * lookups_per_step] * 2  # each training lookup reached both ps
 
 
 # -- state across layouts -------------------------------------------------------------

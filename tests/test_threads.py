@@ -173,6 +173,26 @@ for case in range(int(sys.argv[1])):
 print("DONE", True)
 """
 
+# Keras makes a coordinator when a model compiles under a strategy; a later strategy
+# stops it, and the first strategy's model must still train.
+EARLIER_STRATEGY_TRAINS_ON = """
+import keras, numpy as np, kerasps
+
+cluster = kerasps.cluster.in_process(num_workers=2, num_ps=2)
+models = []
+for _ in range(2):
+    strategy = kerasps.ParameterServerStrategy(cluster)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    models.append(model)
+x, y = np.ones((8, 4), "float32"), np.ones((8, 1), "float32")
+for model in reversed(models):
+    model.train_on_batch(x, y)
+    model.fit(x, y, epochs=1, verbose=0)
+print("DONE", True)
+"""
+
 PREDICT_AGAIN_AND_AGAIN = """
 import keras, numpy as np, tensorflow as tf, kerasps
 
@@ -263,3 +283,10 @@ def test_cases_on_clusters_of_several_shapes_in_one_process_do_not_crash_the_chi
     an in-process cluster of one of four shapes, earlier cases' objects dying before or
     after the next strategy connects. Before: SIGSEGV at the second case (2 seeds in 2)."""
     run_chief(CASES_ON_CLUSTERS_OF_SEVERAL_SHAPES, "40", str(seed), timeout=1200)
+
+
+def test_a_model_of_an_earlier_strategy_on_the_same_cluster_trains_on():
+    """A new strategy stops every coordinator before it connects, Keras' own too (made
+    when a model compiles): the earlier strategy gets a new one. Before, its model's
+    `train_on_batch` waited forever on the stopped one."""
+    run_chief(EARLIER_STRATEGY_TRAINS_ON, timeout=300)

@@ -40,9 +40,10 @@ Seams (see `SEAMS`):
     (`kerasps.params.sparse`), as the strategy's `sparse_updates` mode allows; the
     learning rate and `iterations` are read once per step, not per variable,
     and the small gradients of one ps task's variables cross to it in one tensor.
-  * `TFOptimizer.apply`, `Trainer._symbolic_build`: a variable that a layer gave an
-    optimizer of its own (a keras-rs table's `TableConfig.optimizer`) is trained by
-    that optimizer; the model's optimizer holds no slot of it.
+  * `TFOptimizer.apply`, `Trainer._symbolic_build`, `Trainer.compile_from_config`: a
+    variable that a layer gave an optimizer of its own (a keras-rs table's
+    `TableConfig.optimizer`) is trained by that optimizer; the model's optimizer holds
+    no slot of it, also in a model loaded from a `.keras` file.
   * `backend.numpy.take`: a row lookup in a `ShardedVariable` gathers on each
     shard's ps task instead of concatenating the whole table.
   * `TensorFlowTrainer.fit/evaluate/predict` (and the `*_on_batch` methods):
@@ -1058,28 +1059,68 @@ def apply_by_own_optimizers(optimizer, grads, variables) -> tuple[list, list]:
     return mine
 
 
-def build_optimizer_without_own_tables(self, *args, **kwargs):
-    """Replaces `Trainer._symbolic_build`: the model's optimizer skips tables of their own.
-
-    Keras' `_symbolic_build` builds the model's optimizer with every trainable
-    variable; for a model built under a kerasps strategy it is built with those it
-    trains (`trained_by`): no slot for a table that trains with an optimizer of its
-    own. The optimizer's `build` is an instance attribute meanwhile, set with
-    `object.__setattr__` and removed after. Defers to Keras' own otherwise.
-    """
-    original = _keras_original(TensorFlowTrainer, "_symbolic_build")
-    optimizer = getattr(self, "optimizer", None)
-    if optimizer is None or optimizer.built or not _handlers.trainer.uses_kerasps(self):
-        return original(self, *args, **kwargs)
+@contextlib.contextmanager
+def _optimizer_built_with_what_it_trains(optimizer):
+    """Inside the block, `optimizer.build(variables)` builds it with `trained_by(optimizer,
+    variables)`: no slot for a table that trains with an optimizer of its own. The
+    optimizer's `build` is an instance attribute meanwhile, set with
+    `object.__setattr__` and removed after."""
 
     def build(variables):
         return type(optimizer).build(optimizer, trained_by(optimizer, variables))
 
     object.__setattr__(optimizer, "build", build)
     try:
-        return original(self, *args, **kwargs)
+        yield
     finally:
         object.__delattr__(optimizer, "build")
+
+
+def build_optimizer_without_own_tables(self, *args, **kwargs):
+    """Replaces `Trainer._symbolic_build`: the model's optimizer skips tables of their own.
+
+    Keras' `_symbolic_build` builds the model's optimizer with every trainable
+    variable; for a model built under a kerasps strategy it is built with those it
+    trains (`trained_by`): no slot for a table that trains with an optimizer of its
+    own. Defers to Keras' own otherwise.
+    """
+    original = _keras_original(TensorFlowTrainer, "_symbolic_build")
+    optimizer = getattr(self, "optimizer", None)
+    if optimizer is None or optimizer.built or not _handlers.trainer.uses_kerasps(self):
+        return original(self, *args, **kwargs)
+    with _optimizer_built_with_what_it_trains(optimizer):
+        return original(self, *args, **kwargs)
+
+
+def compile_loaded_model_without_own_tables(self, config):
+    """Replaces `Trainer.compile_from_config`: a loaded model's optimizer skips own tables.
+
+    Loading a `.keras` file compiles the model from its config and, once it is built,
+    builds the new optimizer with every trainable variable, before the file's
+    optimizer variables are loaded: under a kerasps strategy's scope it would hold
+    slots of the tables that train with an optimizer of their own (keras-rs'
+    `TableConfig.optimizer`), and the file's variables would not match them. For a
+    model built under a kerasps strategy, the optimizer is built right after
+    compiling with those it trains (`trained_by`), as `build_optimizer_without_own_tables`
+    does. Defers to Keras' own otherwise.
+    """
+    original = _keras_original(TensorFlowTrainer, "compile_from_config")
+    if not _handlers.trainer.uses_kerasps(self):
+        return original(self, config)
+    compile_model = self.compile  # Keras' (a model overriding it is not compiled)
+
+    with contextlib.ExitStack() as builds:
+        def compile_for_what_it_trains(*args, **kwargs):
+            compile_model(*args, **kwargs)
+            optimizer = getattr(self, "optimizer", None)
+            if optimizer is not None and not optimizer.built:
+                builds.enter_context(_optimizer_built_with_what_it_trains(optimizer))
+
+        object.__setattr__(self, "compile", compile_for_what_it_trains)
+        try:
+            return original(self, config)
+        finally:
+            object.__delattr__(self, "compile")
 
 
 # Row lookups -----------------------------------------------------------------------
@@ -1205,6 +1246,7 @@ SEAMS = (
     Seam(_TFOptimizer, "_apply_weight_decay", apply_weight_decay_but_lazily),
     Seam(_TFOptimizer, "apply", apply_with_own_optimizers),
     Seam(TensorFlowTrainer, "_symbolic_build", build_optimizer_without_own_tables),
+    Seam(TensorFlowTrainer, "compile_from_config", compile_loaded_model_without_own_tables),
     # Row lookups.
     Seam(tf_numpy, "take", take_rows_from_shards),
     # Training loops.

@@ -15,12 +15,22 @@ Seams (see `SEAMS`):
   * `_init_feature_configs_structures`: the feature configs are checked
     (`rs_tables.check_feature_configs`), and tables placed on `"sparsecore"` go to
     the default-device path too: under kerasps, that is the ps tasks.
-  * `_default_device_init`: each table gets its own optimizer (`rs_tables.init`).
+  * `_default_device_init`: a dynamic table (`DynamicTableConfig`, of
+    `kerasps.keras.layers.rs_dynamic`) gets a `DynamicTableLayer` instead of keras-rs'
+    `EmbedReduce` (`rs_tables.init_dynamic`); each table gets its own optimizer
+    (`rs_tables.init`).
   * `_default_device_build`: the tables' variables, sharded by the strategy's
     partitioner, are given to their optimizers, which are built next to them
     (`rs_tables.build`).
-  * `_default_device_call`: the ids of every feature are checked against its
-    table's vocabulary (`rs_tables.checked_ids`).
+  * `_default_device_call`: the ids of every fixed table's feature are checked against
+    its vocabulary (`rs_tables.checked_ids`); each dynamic table is looked up once for
+    all its features (`rs_tables.look_up_dynamic`).
+  * `TableConfig.from_config`: a serialized `DynamicTableConfig` comes back as one
+    (`rs_tables.table_from_config`), so that `.keras` files, `clone_model` and
+    `model.export` keep dynamic tables dynamic.
+
+A `DynamicTableConfig` is kerasps' own: its table is dynamic under a kerasps scope or
+not (outside, it is one table in this process, trained by the model's optimizer).
 
 Imported only where keras-rs is installed (`kerasps.keras.hooks.install`).
 """
@@ -33,6 +43,7 @@ from keras_rs.src.layers.embedding import base_distributed_embedding
 from kerasps.backend._keras import Seam
 
 DistributedEmbedding = base_distributed_embedding.DistributedEmbedding
+TableConfig = base_distributed_embedding.TableConfig
 
 __all__ = ["DistributedEmbedding", "SEAMS", "install", "installed", "uninstall"]
 
@@ -56,6 +67,15 @@ def _on_ps(layer) -> bool:
     return getattr(layer, "_kerasps_tables", None) is not None
 
 
+def _has_dynamic_tables(layer) -> bool:
+    return bool(getattr(layer, "_kerasps_dynamic_tables", None))
+
+
+def _dynamic_features(feature_configs) -> bool:
+    return any(_handlers.tables.is_dynamic(getattr(feature, "table", None))
+               for feature in keras.tree.flatten(feature_configs))
+
+
 def check_configs_and_place_tables_on_ps(self, feature_configs):
     """Replaces `DistributedEmbedding._init_feature_configs_structures`: checked configs.
 
@@ -63,28 +83,47 @@ def check_configs_and_place_tables_on_ps(self, feature_configs):
     (`rs_tables.check_feature_configs`: Keras-style errors where keras-rs would fail
     on an attribute), and the features of tables placed on `"sparsecore"` are placed
     on the default device, which under kerasps is the ps tasks: a model written for
-    TPUs trains unchanged. Defers to keras-rs outside a kerasps scope.
+    TPUs trains unchanged. Outside a kerasps scope, only dynamic tables' features are
+    (kerasps' dynamic table is not a SparseCore table); keras-rs' own otherwise.
     """
     original = _original("_init_feature_configs_structures")
-    if not _handlers.tables.active():
+    active = _handlers.tables.active()
+    if not active and not _dynamic_features(feature_configs):
         return original(self, feature_configs)
-    _handlers.tables.check_feature_configs(feature_configs)
+    if active:
+        _handlers.tables.check_feature_configs(feature_configs)
     original(self, feature_configs)
     by_placement = self._placement_to_path_to_feature_config
-    if SPARSECORE in by_placement:
-        by_placement.setdefault(DEFAULT_DEVICE, {}).update(by_placement.pop(SPARSECORE))
-        for placement_and_path in keras.tree.flatten(
-                self._feature_deeply_nested_placement_and_paths):
+    moved = {path: feature for path, feature in by_placement.get(SPARSECORE, {}).items()
+             if active or _handlers.tables.is_dynamic(feature.table)}
+    if not moved:
+        return
+    for path in moved:
+        del by_placement[SPARSECORE][path]
+    if not by_placement[SPARSECORE]:
+        del by_placement[SPARSECORE]
+    by_placement.setdefault(DEFAULT_DEVICE, {}).update(moved)
+    for placement_and_path in keras.tree.flatten(
+            self._feature_deeply_nested_placement_and_paths):
+        if placement_and_path.path in moved:
             placement_and_path.placement = DEFAULT_DEVICE
 
 
 def init_tables_with_their_optimizers(self, feature_configs, table_stacking):
     """Replaces `DistributedEmbedding._default_device_init`: tables with own optimizers.
 
-    After keras-rs' own (one `EmbedReduce` layer per table), under a kerasps scope,
-    each table gets the optimizer of its `TableConfig` (`rs_tables.init`).
+    keras-rs' own makes one `EmbedReduce` layer per fixed table; a dynamic table
+    (`DynamicTableConfig`) gets a `DynamicTableLayer` instead (`rs_tables.init_dynamic`),
+    under a kerasps scope or not. Under a kerasps scope, each table then gets the
+    optimizer of its `TableConfig` (`rs_tables.init`).
     """
-    _original("_default_device_init")(self, feature_configs, table_stacking)
+    dynamic = {path: feature for path, feature in feature_configs.items()
+               if _handlers.tables.is_dynamic(feature.table)}
+    fixed = {path: feature for path, feature in feature_configs.items()
+             if path not in dynamic}
+    _original("_default_device_init")(self, fixed, table_stacking)
+    if dynamic:
+        _handlers.tables.init_dynamic(self, dynamic, self._default_device_embedding_layers)
     if _handlers.tables.active():
         _handlers.tables.init(self, feature_configs, self._default_device_embedding_layers)
 
@@ -103,14 +142,37 @@ def build_tables_and_their_optimizers(self, input_shapes):
 
 
 def look_up_checked_ids(self, inputs, weights=None, training=False):
-    """Replaces `DistributedEmbedding._default_device_call`: ids checked first.
+    """Replaces `DistributedEmbedding._default_device_call`: ids checked first, dynamic
+    tables looked up once each.
 
-    In a layer made under a kerasps scope, every feature's ids must lie in its table
-    (`rs_tables.checked_ids`) before keras-rs' own lookups run.
+    In a layer made under a kerasps scope, every fixed table's feature's ids must lie
+    in its table (`rs_tables.checked_ids`) before keras-rs' own lookups run. Each
+    dynamic table is looked up once for all its features (`rs_tables.look_up_dynamic`),
+    keras-rs' own lookups run for the other features.
     """
+    original = _original("_default_device_call")
     if _on_ps(self):
         inputs = _handlers.tables.checked_ids(self, inputs)
-    return _original("_default_device_call")(self, inputs, weights, training)
+    if not _has_dynamic_tables(self):
+        return original(self, inputs, weights, training)
+    outputs, inputs, weights = _handlers.tables.look_up_dynamic(self, inputs, weights, training)
+    if inputs:
+        outputs.update(original(self, inputs, weights, training))
+    return outputs
+
+
+def dynamic_table_from_config(cls, config):
+    """Replaces `TableConfig.from_config` (a classmethod): a dynamic table's config.
+
+    A serialized `DynamicTableConfig` (keras-rs' `FeatureConfig.from_config`
+    hands every table's config to `TableConfig.from_config`) comes back as one
+    (`rs_tables.table_from_config`); keras-rs' own for any other.
+    """
+    if cls is TableConfig:
+        table = _handlers.tables.table_from_config(config)
+        if table is not None:
+            return table
+    return _original("from_config")(cls, config)
 
 
 SEAMS = (
@@ -119,6 +181,7 @@ SEAMS = (
     Seam(DistributedEmbedding, "_default_device_init", init_tables_with_their_optimizers),
     Seam(DistributedEmbedding, "_default_device_build", build_tables_and_their_optimizers),
     Seam(DistributedEmbedding, "_default_device_call", look_up_checked_ids),
+    Seam(TableConfig, "from_config", dynamic_table_from_config),
 )
 
 _saved: dict = {}  # attribute -> the class's own attribute before `install`
@@ -135,9 +198,14 @@ def install(*, tables):
         return
     _handlers.tables = tables
     for seam in SEAMS:
-        _keras_rs_code[seam.attribute] = getattr(seam.target, seam.attribute)
-        _saved[seam.attribute] = vars(seam.target)[seam.attribute]
-        setattr(seam.target, seam.attribute, seam.replacement)
+        own = vars(seam.target)[seam.attribute]
+        _saved[seam.attribute] = own
+        if isinstance(own, classmethod):  # called as `_original(attribute)(cls, ...)`
+            _keras_rs_code[seam.attribute] = own.__func__
+            setattr(seam.target, seam.attribute, classmethod(seam.replacement))
+        else:
+            _keras_rs_code[seam.attribute] = getattr(seam.target, seam.attribute)
+            setattr(seam.target, seam.attribute, seam.replacement)
         seam.replacement.__wrapped__ = _keras_rs_code[seam.attribute]
 
 

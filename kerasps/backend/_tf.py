@@ -740,6 +740,16 @@ def stop_coordinator(tf_coordinator, strategy):
     strategy._cluster_coordinator = None
 
 
+def running_coordinator(strategy):
+    """The strategy's TF `ClusterCoordinator`, a new one if it has none or its one was
+    stopped (`stop_every_coordinator` stops those Keras made at `compile`, which stay
+    attached to their strategies)."""
+    existing = strategy._cluster_coordinator
+    if existing is not None and not existing._cluster.closure_queue._should_process_closures:
+        strategy._cluster_coordinator = None
+    return cluster_coordinator.ClusterCoordinator(strategy)
+
+
 def stop_every_coordinator():
     """Stops the threads of every TF `ClusterCoordinator` whose worker threads still run,
     including those of coordinators already garbage: TensorFlow's `__del__` only

@@ -74,7 +74,7 @@ class ClusterCoordinator:
         self._strategy = strategy
         _tf.install_results_on_coordinator()
         _tf.install_end_of_input_grace()
-        self._tf_coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        self._tf_coordinator = _tf.running_coordinator(strategy)
         _tf.release_at_exit(self._tf_coordinator)
         self._trace_lock = threading.Lock()
         self._trace = None

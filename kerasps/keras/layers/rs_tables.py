@@ -20,9 +20,13 @@ one `EmbedReduce` layer per `TableConfig`, with what keras-rs gives TPUs only:
   is read at that count.
 * The tables' optimizers are state of the layer (`table_optimizers(layer)`): their
   variables are in `.weights.h5` files (so in `ModelCheckpoint` and
-  `BackupAndRestore`), in `tf.train.Checkpoint`s and in ps recovery inside `fit`,
-  whole, whatever the number of ps tasks. `model.export` exports a single-process
-  copy made by keras-rs' own layer.
+  `BackupAndRestore`), in `tf.train.Checkpoint`s (with the tables: the layer's
+  `kerasps_tables` dependency, as keras-rs' dict of tables is not one) and in ps
+  recovery inside `fit`, whole, whatever the number of ps tasks. `model.export` exports
+  a single-process copy made by keras-rs' own layer.
+* A table of a vocabulary not known in advance is a `DynamicTableConfig`
+  (`kerasps.keras.layers.rs_dynamic`): kerasps' dynamic table, under a kerasps scope or
+  not, trained by its optimizer like the others, its features looked up together.
 * Bad input raises in Keras' style: an optimizer keras-rs does not train tables
   with, a feature whose `table` is not a `TableConfig`, two tables of one name, ids
   outside their table (when the step runs).
@@ -62,7 +66,8 @@ import tensorflow as tf
 from kerasps.params import sparse, variables
 
 __all__ = ["table_optimizers", "active", "check_feature_configs", "init", "build",
-           "checked_ids"]
+           "checked_ids", "register_dynamic_table_config", "is_dynamic", "init_dynamic",
+           "look_up_dynamic", "table_from_config"]
 
 # keras-rs' optimizers of tables: its name -> (the Keras class, the arguments keras-rs
 # refuses for a table, each with the only value it accepts).
@@ -234,9 +239,28 @@ def init(layer, feature_configs, embedding_layers):
             by_name[table.name] = _Table(table, embedding_layers[path], optimizer)
         of_feature[path] = by_name[table.name]
     layer._kerasps_tables = _Tables(by_name, of_feature)
-    # Tracked by the layer: saved with it (weights files, checkpoints), each once.
+    # Tracked by the layer: saved with it (weights files), each once.
     distinct = {id(t.optimizer): t.optimizer for t in by_name.values()}
     layer._kerasps_table_optimizers = list(distinct.values())
+    _checkpointed(layer, {name: table.layer for name, table in by_name.items()},
+                  layer._kerasps_table_optimizers)
+
+
+def _checkpointed(layer, tables, optimizers=()):
+    """Makes `tf.train.Checkpoint`s of `layer` hold its tables (by name) and their
+    optimizers.
+
+    keras-rs keeps the tables' layers in a dict (`_default_device_embedding_layers`),
+    and the layer its tables' optimizers in a list: Keras' tracked collections, which
+    `.weights.h5` files follow and TensorFlow's checkpoints do not (a keras-rs layer
+    alone has no checkpoint dependency at all). One `tf.Module` attribute,
+    `kerasps_tables`, holds both as TensorFlow dependencies; `.weights.h5` files do
+    not see it (it is not a Keras object), so their layout is keras-rs' own.
+    """
+    holder = tf.Module(name="kerasps_tables")
+    holder.tables = dict(tables)
+    holder.optimizers = list(optimizers)
+    layer.kerasps_tables = holder
 
 
 def build(layer):
@@ -258,6 +282,90 @@ def build(layer):
             optimizer.build(owned_variables)
 
 
+# -- dynamic tables (`kerasps.keras.layers.rs_dynamic`) ---------------------------------------
+# `rs_dynamic` registers its `DynamicTableConfig` here when imported: this module, which
+# `kerasps.keras.hooks` imports, does not import it (it imports the hooks: a circle).
+# Loading a dynamic table's config before anything imported it asks the package for
+# `DynamicTableConfig` (`kerasps.keras.layers`' lazy names), which imports it then.
+
+class _Dynamic:
+    config_class = None  # `rs_dynamic.DynamicTableConfig`, once `rs_dynamic` is imported
+
+
+_dynamic = _Dynamic()
+CONFIG_KEY = "kerasps_dynamic_table"  # the dynamic options in a serialized config
+
+
+def register_dynamic_table_config(cls):
+    """Called by `rs_dynamic` as it is imported, with its `DynamicTableConfig`."""
+    _dynamic.config_class = cls
+
+
+def is_dynamic(table) -> bool:
+    """Whether `table` is a `DynamicTableConfig`."""
+    cls = _dynamic.config_class
+    return cls is not None and isinstance(table, cls)
+
+
+def table_from_config(config):
+    """The `DynamicTableConfig` of a serialized one (keras-rs' `TableConfig.from_config`
+    hands its configs here first), or `None` for another table's.
+
+    A program that loads a `.keras` file with a dynamic table need not import
+    `DynamicTableConfig` first: it is imported here, when the first one is loaded
+    (`kerasps.keras.layers.DynamicTableConfig`, a lazy name of the package; by then this
+    module and the hooks are imported, and `rs_dynamic` imports them as it would anyway).
+    """
+    if not isinstance(config, dict) or CONFIG_KEY not in config:
+        return None
+    if _dynamic.config_class is None:
+        from kerasps.keras import layers
+
+        register_dynamic_table_config(layers.DynamicTableConfig)
+    return _dynamic.config_class.from_config(config)
+
+
+def init_dynamic(layer, feature_configs, embedding_layers):
+    """Gives each dynamic table of `layer` its `DynamicTableLayer`, in `embedding_layers`
+    (keras-rs' `_default_device_embedding_layers`, by feature path), one per table.
+
+    Args:
+        layer: keras-rs' `DistributedEmbedding`, being made (under a kerasps scope or not).
+        feature_configs: its default-device features whose table is dynamic, by path.
+        embedding_layers: keras-rs' dict of the layer of each feature, by path.
+    """
+    made, paths = {}, {}
+    for path, feature in feature_configs.items():
+        table = feature.table
+        if id(table) not in made:
+            made[id(table)] = table.make_layer()
+        embedding_layers[path] = made[id(table)]
+        paths.setdefault(id(table), []).append(path)
+    # table layer -> the paths of its features, in keras-rs' order: looked up together.
+    layer._kerasps_dynamic_tables = [(made[key], paths[key]) for key in made]
+    if not active():  # `init` makes it under a kerasps scope, with the optimizers
+        _checkpointed(layer, {table_layer.name: table_layer for table_layer in made.values()})
+
+
+def look_up_dynamic(layer, inputs, weights, training):
+    """The outputs of the features of `layer`'s dynamic tables (by path), each table looked
+    up once for all its features (`DynamicTableLayer.look_up`), and the inputs and weights
+    of the other features, for keras-rs' own lookups."""
+    outputs = {}
+    for table_layer, paths in layer._kerasps_dynamic_tables:
+        present = [path for path in paths if path in inputs]
+        if not present:
+            continue
+        looked_up = table_layer.look_up(
+            [(inputs[path], None if weights is None else weights.get(path))
+             for path in present], training=training)
+        outputs.update(zip(present, looked_up))
+    rest = {path: ids for path, ids in inputs.items() if path not in outputs}
+    rest_weights = None if weights is None else {
+        path: value for path, value in weights.items() if path not in outputs}
+    return outputs, rest, rest_weights
+
+
 def checked_ids(layer, inputs):
     """`inputs` (keras-rs path -> ids: dense, ragged or sparse) once every feature's ids
     are known to lie in its table: an id outside raises `InvalidArgumentError` where
@@ -265,7 +373,8 @@ def checked_ids(layer, inputs):
     checked = dict(inputs)
     for path, ids in inputs.items():
         table = layer._kerasps_tables.of_feature.get(path)
-        if table is None or not isinstance(ids, (tf.Tensor, tf.RaggedTensor, tf.SparseTensor)):
+        if table is None or is_dynamic(table.config) or not isinstance(
+                ids, (tf.Tensor, tf.RaggedTensor, tf.SparseTensor)):
             continue
         checked[path] = _checked(ids, path, table.config)
     return checked

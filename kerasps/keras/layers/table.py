@@ -34,6 +34,7 @@ to those rows only.
 from __future__ import annotations
 
 import contextlib
+import uuid
 import weakref
 
 import keras
@@ -132,7 +133,15 @@ class _Shard:
         with tf.init_scope():  # also when the layer is first called in a tf.function
             with _placed(self.device):
                 self.map = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, -1)
-                self.lock = tf.CriticalSection()
+                # A mutex of its own. Made eagerly, a `tf.CriticalSection()` gets an empty
+                # `shared_name`, and every such mutex of one device is the same resource:
+                # all tables' locks on a ps task were one lock, and a step looking up two
+                # tables could wait for itself: its two sections are not ordered, and the
+                # release of the later one in the program waits for the earlier one's
+                # (TensorFlow's automatic control dependencies chain stateful ops such as
+                # `ConsumeMutexLock`), so if the later one locked first, neither ended.
+                self.lock = tf.CriticalSection(
+                    shared_name=f"kerasps_table_lock_{uuid.uuid4().hex}")
             self.free = _tf.variable_on(self.device, np.ascontiguousarray(free))
             self.free_count = _tf.variable_on(
                 self.device, np.full([self.num_partitions], rows, np.int64))
@@ -183,7 +192,7 @@ class _Shard:
                     rows - tf.reduce_sum(tf.cast(occupied, tf.int64), axis=1))
 
     # -- lookups ----------------------------------------------------------------------
-    def lookup(self, packed, training):
+    def lookup(self, packed, training, after=()):
         """The vectors (zeros for keys without a row) of the keys of `packed`, on this
         shard's ps task.
 
@@ -191,6 +200,8 @@ class _Shard:
             packed: int64 `[m, 3]`: distinct keys, their occurrences in the batch, and
                 their partitions (local to this shard).
             training: a Python bool; training lookups admit, touch and evict.
+            after: tensors the lock waits for (the previous training lookup of the
+                table in the same function: `Table._lookup`).
         """
         with _placed(self.device):
             keys, counts, partitions = tf.unstack(packed, axis=1)
@@ -199,7 +210,7 @@ class _Shard:
             if tf.inside_function():
                 self.table.traced_graphs.add(tf.compat.v1.get_default_graph())
             # The lock is taken once the keys are here, never while they are on the way.
-            with tf.control_dependencies([packed]):
+            with tf.control_dependencies([packed, *after]):
                 rows = self.lock.execute(
                     lambda: self._find_or_insert(keys, counts, partitions),
                     exclusive_resource_access=False)
@@ -468,6 +479,8 @@ class DynamicTable:
         self.seed = int(seed)
         self.seed_bits = int(tables.mix64([seed])[0])
         self.traced_graphs = weakref.WeakSet()  # function graphs with a training lookup
+        # The graph of the last training lookup traced, and its shards' results.
+        self._last_training_lookup = (None, [])
         self._functions = {}  # training -> the lookup as a tf.function, for eager calls
         strategy = variables_lib.kerasps_strategy()
         self.strategy = strategy
@@ -570,11 +583,13 @@ class DynamicTable:
         return self._lookup(keys, training)
 
     def _lookup(self, keys, training):
+        after = self._after_previous_lookup(training)
         unique, positions, counts = tf.unique_with_counts(keys, out_idx=tf.int64)
         partitions = modulo(mix64(unique), self.spec.num_partitions)
         if len(self.shards) == 1:
-            vectors = self.shards[0].lookup(tf.stack([unique, counts, partitions], axis=1),
-                                            training)
+            found = [self.shards[0].lookup(tf.stack([unique, counts, partitions], axis=1),
+                                           training, after)]
+            vectors = found[0]
         else:
             shard_of = tf.gather(tf.constant(self._partition_to_shard, tf.int32), partitions)
             local = partitions - tf.gather(tf.constant(self._partition_offset, tf.int64),
@@ -584,9 +599,30 @@ class DynamicTable:
             # One tensor (key, count, partition) per ps task: one transfer each, not three.
             parts = tf.dynamic_partition(tf.stack([unique, counts, local], axis=1), shard_of,
                                          count)
-            vectors = tf.dynamic_stitch(where, [shard.lookup(part, training)
-                                                for shard, part in zip(self.shards, parts)])
+            found = [shard.lookup(part, training, after)
+                     for shard, part in zip(self.shards, parts)]
+            vectors = tf.dynamic_stitch(where, found)
+        if training and tf.inside_function():
+            self._last_training_lookup = (
+                weakref.ref(tf.compat.v1.get_default_graph()), found)
         return variables_lib._expand_rows(vectors, positions)
+
+    def _after_previous_lookup(self, training) -> list:
+        """What the locks of a training lookup wait for: the results of the table's
+        previous training lookup in the same function (a layer called twice), which
+        come after its locks were released; nothing for the first.
+
+        Unordered, two lookups of one step could deadlock two workers: TensorFlow's
+        automatic control dependencies release a step's locks (`ConsumeMutexLock`) in
+        program order, across ps tasks, so a worker holding the lock of its second lookup
+        on one ps task waits, to release it, for the release of its first lookup's lock on
+        the other ps task, which another worker holds, waiting in turn for the first."""
+        if not (training and tf.inside_function()):
+            return []
+        graph, found = self._last_training_lookup
+        if graph is None or graph() is not tf.compat.v1.get_default_graph():
+            return []
+        return found
 
     def totals(self):
         """`[lookups, hits, admitted, evicted, rows_used]` (int64) over the shards: lookups
