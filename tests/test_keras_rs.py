@@ -1033,3 +1033,68 @@ def test_a_dynamic_table_reduces_its_features_as_keras_rs_embed_reduce_does(comb
         np.testing.assert_allclose(got.numpy(), np.asarray(expected), rtol=1e-6, atol=1e-7)
         alone = layer.look_up([(ids, weights)])[0]
         np.testing.assert_allclose(alone.numpy(), got.numpy(), rtol=1e-6)
+
+
+# A keras-rs model trained by a launched job: per-table optimizers on two ps tasks.
+PS_KILL_CHIEF = """
+    import itertools, sys
+    import keras, keras_rs, numpy as np, tensorflow as tf, kerasps
+
+    ROWS, DIM = 10_000, 8
+    strategy = kerasps.ParameterServerStrategy(
+        kerasps.cluster.from_tf_config(),
+        variable_partitioner=kerasps.partitioners.FixedShardsPartitioner(2))
+    with strategy.scope():
+        items = keras_rs.layers.TableConfig(name="items", vocabulary_size=ROWS, embedding_dim=DIM,
+                                            optimizer=keras.optimizers.Adagrad(0.1))
+        users = keras_rs.layers.TableConfig(name="users", vocabulary_size=ROWS, embedding_dim=DIM,
+                                            optimizer="sgd")
+        configs = {name: keras_rs.layers.FeatureConfig(name=name, table=table, input_shape=(None,),
+                                                       output_shape=(None, DIM))
+                   for name, table in (("item", items), ("user", users))}
+        inputs = {name: keras.Input(shape=(), dtype="int32", name=name) for name in configs}
+        outputs = keras_rs.layers.DistributedEmbedding(configs, name="embedding")(inputs)
+        merged = keras.layers.Concatenate()([outputs["item"], outputs["user"]])
+        model = keras.Model(inputs, keras.layers.Dense(1)(merged))
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+
+    def dataset_fn(context):
+        ids = tf.random.stateless_uniform((4096, 2), [1, context.input_pipeline_id],
+                                          maxval=ROWS, dtype=tf.int32)
+        labels = tf.cast(ids[:, :1] % 7, tf.float32) / 7
+        dataset = tf.data.Dataset.from_tensor_slices(
+            ({"item": ids[:, 0], "user": ids[:, 1]}, labels)).repeat().batch(64)
+        return kerasps.input.slowed(dataset, 0.05)
+
+    trained = itertools.count(1)
+    progress = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: print("train batch", next(trained), flush=True))
+    backup = keras.callbacks.BackupAndRestore(sys.argv[1], save_freq=10)
+    history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=1, steps_per_epoch=150,
+                        verbose=0, callbacks=[progress, backup])
+    print("iterations", int(model.optimizer.iterations.numpy()),
+          "reexecuted", sum(history.history.get("reexecuted_steps", [0])), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_keras_rs_model_goes_on_after_a_ps_task_is_killed_mid_fit(tmp_path):
+    """The tables, their own optimizers' slots and the dense layers come back from the
+    backup on the restarted ps task, and `fit` runs every step."""
+    from tests.launched import launch
+
+    job = launch(tmp_path, PS_KILL_CHIEF, "--workers", "2", "--ps", "2", "--max-restarts", "2",
+                 args=[str(tmp_path / "backup")])
+    try:
+        job.wait_for(r"\[chief 0\] train batch 30$")
+        job.kill("ps 0")
+        job.wait_for(r"\[launcher\] ps 0 exited with signal 9 \(SIGKILL\); restart 1 of 2")
+        done = job.wait_for(r"\[chief 0\] iterations (\d+) reexecuted (\d+)")
+        assert job.finish() == 0, job.output()
+        assert any("Restored the backup" in line for line in job.lines), job.output()
+        # Every step ran; at most a backup interval's steps applied twice. (Seen: 152
+        # applied with none counted in `reexecuted_steps`, where a model without keras-rs
+        # tables counts them: not explained yet.)
+        assert 150 <= int(done.group(1)) - int(done.group(2)) <= 160
+    finally:
+        job.close()
