@@ -12,6 +12,8 @@ import textwrap
 import threading
 import time
 
+import pytest
+
 DEADLINE = 240  # seconds a job may take: generous for 2 loaded cores, never asserted on
 
 STARTED = re.compile(r"\[launcher\] started (\w+ \d+) at \S+ \(pid (\d+)\)")
@@ -121,3 +123,16 @@ def wait_until(predicate, timeout: float = 60.0, interval: float = 0.05) -> bool
             return predicate()
         time.sleep(interval)
     return True
+
+
+def run_with_deadline(program: str, *args: str, deadline: float, cwd, what: str):
+    """Runs `python -c program args` and returns its `CompletedProcess`; fails the test
+    naming `what` if it has not ended within `deadline` seconds (a deadlock?)."""
+    try:
+        return subprocess.run([sys.executable, "-c", program, *args], capture_output=True,
+                              text=True, timeout=deadline, cwd=cwd)
+    except subprocess.TimeoutExpired as expired:
+        stderr = expired.stderr or b""
+        stderr = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr
+        pytest.fail(f"{what} did not end within {deadline} s (a deadlock?); the last lines "
+                    f"of their stderr:\n{stderr[-2000:]}")

@@ -18,6 +18,7 @@ from kerasps.keras.layers import table as table_lib
 from kerasps.keras.layers.dynamic_embedding import DynamicEmbedding
 from kerasps.params.variables import logical_variables
 from kerasps.policy import tables
+from tests.launched import run_with_deadline
 
 
 def rows_of(layer):
@@ -572,15 +573,8 @@ def test_two_training_lookups_in_one_step_do_not_deadlock_two_workers(model, loo
 
     A deadlock would hang the session's shared cluster: the fits run in a subprocess whose
     timeout is the deadline."""
-    try:
-        result = subprocess.run([sys.executable, "-c", TWO_LOOKUPS_FIT, model],
-                                capture_output=True, text=True, timeout=DEADLINE_S,
-                                cwd=tmp_path)
-    except subprocess.TimeoutExpired as expired:
-        stderr = expired.stderr or b""
-        stderr = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr
-        pytest.fail(f"3 fits of 100 steps with {model} did not end within {DEADLINE_S} s "
-                    f"(a deadlock?); the last lines of their stderr:\n{stderr[-2000:]}")
+    result = run_with_deadline(TWO_LOOKUPS_FIT, model, deadline=DEADLINE_S, cwd=tmp_path,
+                               what=f"3 fits of 100 steps with {model}")
     assert result.returncode == 0, result.stderr[-3000:]
     clock = json.loads(result.stdout.splitlines()[-1])["clock"]
     assert clock == [300 * lookups_per_step] * 2  # each training lookup reached both ps

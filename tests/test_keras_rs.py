@@ -17,6 +17,7 @@ from kerasps.keras.layers import rs_tables
 from kerasps.keras.trainer import recovery
 from kerasps.params.variables import logical_variables
 from kerasps.policy.tables import STAT_COLUMNS, STATE_COLUMNS
+from tests.launched import run_with_deadline
 
 keras_rs = pytest.importorskip("keras_rs")  # in the `test` extra: skipped only without it
 from kerasps.keras.layers.rs_dynamic import DynamicTableLayer  # noqa: E402
@@ -844,15 +845,8 @@ def test_two_features_sharing_a_dynamic_table_train_without_hanging(tmp_path):
     Its own process: a deadlock would hold the locks of the shared cluster's ps tasks for
     the rest of the session. The deadline is the subprocess' timeout."""
     runs = 3
-    try:
-        result = subprocess.run([sys.executable, "-c", SHARED_TABLE_FIT, str(runs)],
-                                capture_output=True, text=True, timeout=DEADLINE_S,
-                                cwd=tmp_path)
-    except subprocess.TimeoutExpired as expired:
-        stderr = expired.stderr or b""
-        stderr = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr
-        pytest.fail(f"{runs} fits of 100 steps did not end within {DEADLINE_S} s (a "
-                    f"deadlock?); the last lines of their stderr:\n{stderr[-2000:]}")
+    result = run_with_deadline(SHARED_TABLE_FIT, str(runs), deadline=DEADLINE_S, cwd=tmp_path,
+                               what=f"{runs} fits of 100 steps")
     assert result.returncode == 0, result.stderr[-3000:]
     stats = json.loads(result.stdout.splitlines()[-1])
     assert stats["clock"] == [100 * runs] * 2  # one lookup per step on each ps task
