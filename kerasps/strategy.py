@@ -278,6 +278,7 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         tf_logs.quiet_tensorflow_logger()  # TensorFlow's strategy logs at INFO from here
         first_connection = not _tf.connected()
         _tf.forget_functions_of_earlier_connections()
+        _tf.install_context_bound_resource_deleters()
         coordinator_lib.stop_every_coordinator()
         super().__init__(cluster_resolver, variable_partitioner=None)
         if first_connection:

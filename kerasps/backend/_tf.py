@@ -589,6 +589,60 @@ def forget_functions_of_earlier_connections():
     data_service_ops._get_uncompress_func.cache_clear()
 
 
+# Bumped each time this process's eager context is reset (`set_server_def`: a first
+# connection, or one to another cluster); see `install_context_bound_resource_deleters`.
+_context_generation = 0
+
+
+class _ContextBoundResourceDeleter(resource_variable_ops.EagerResourceDeleter):
+    """TensorFlow's deleter of an eagerly made resource, which leaves alone a resource
+    of an eager context that was reset since it was made: that context's devices are
+    gone, and so is the resource for this process."""
+
+    __slots__ = ("_generation",)
+
+    def __init__(self, handle, handle_device):
+        super().__init__(handle, handle_device)
+        self._generation = _context_generation
+
+    def __del__(self):
+        if self._generation == _context_generation:
+            super().__del__()
+
+
+_deleters_bound = False
+
+
+def install_context_bound_resource_deleters():
+    """Makes every resource deleter made from here on skip the resources of an earlier
+    eager context (idempotent).
+
+    TensorFlow deletes a queue (`tf.queue.FIFOQueue` and the others of
+    `data_flow_ops`, which kerasps' sync mode keeps its row updates' gradients in),
+    a multi-device iterator or a summary writer in `EagerResourceDeleter.__del__`
+    with a `DestroyResourceOp` placed by the handle's `Device*` pointer
+    (`MaybePinToResourceDevice`). A handle can outlive its context's devices: after
+    a switch to another cluster and back (a test suite, a notebook), the remote
+    device's incarnation is valid again, TensorFlow's check
+    (`ValidateTensorHandleRemoteDevice`) passes, and the op reads the freed device:
+    SIGSEGV, seen in the garbage collection at a pytest session's exit.
+    (Variables are reference-counted handles with no delete op.)
+    """
+    global _deleters_bound
+    if _deleters_bound:
+        return
+    _deleters_bound = True
+    resource_variable_ops.EagerResourceDeleter = _ContextBoundResourceDeleter
+    set_server_def = context.Context.set_server_def
+
+    def set_server_def_bumping_the_generation(self, *args, **kwargs):
+        global _context_generation
+        _context_generation += 1
+        return set_server_def(self, *args, **kwargs)
+
+    context.Context.set_server_def = set_server_def_bumping_the_generation
+
+
 def connected() -> bool:
     """True once this process's eager context has connected to a cluster."""
     return context.get_server_def() is not None
