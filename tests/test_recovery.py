@@ -67,3 +67,38 @@ def test_an_unreadable_progress_record_raises_naming_the_backup(tmp_path):
         f.attrs["kerasps_progress"] = ""  # as a record cut short would read
     with pytest.raises(RuntimeError, match=r"unreadable kerasps progress record \(''\)"):
         backup.progress()
+
+
+def test_a_backup_that_failed_half_way_does_not_stop_the_next_one(tmp_path):
+    """A ps task lost while a backup reads its weights fails the save half-way; `fit`
+    retries the steps and backs up again. Keras left the half-written file open (its
+    frames live on in the error's traceback), and every later backup of the `fit` failed
+    with `OSError: ... unable to truncate a file which is already open`: a keras-rs job
+    then lost its chief instead of recovering inside `fit`."""
+    import keras
+    import tensorflow as tf
+
+    from kerasps.keras.trainer.recovery import Backup, Progress
+
+    lost = [False]
+
+    class OnALostPsTask(keras.layers.Dense):
+        def save_own_variables(self, store):
+            super().save_own_variables(store)
+            if lost[0]:
+                raise tf.errors.UnavailableError(None, None, "ps task 0: connection reset")
+
+    model = keras.Sequential([keras.Input((2,)), OnALostPsTask(1)])
+    callback = keras.callbacks.BackupAndRestore(str(tmp_path))
+    callback.set_model(model)
+    backup, progress = Backup(callback), [Progress(0, 1)]
+    with backup.recording(lambda: progress[0]):
+        backup.save()
+        lost[0], progress[0] = True, Progress(0, 2)
+        with pytest.raises(tf.errors.UnavailableError) as failed:  # kept, as `fit` keeps it
+            backup.save()
+        assert backup.progress() == Progress(0, 1)  # the latest backup is untouched
+        lost[0], progress[0] = False, Progress(0, 3)
+        backup.save()
+    assert backup.progress() == Progress(0, 3)
+    assert failed.value is not None

@@ -242,7 +242,13 @@ def write_backup(callback, annotate):
     """
     os.makedirs(callback.backup_dir, exist_ok=True)
     partial = callback._weights_path[:-len(".weights.h5")] + ".partial.weights.h5"
-    callback.model.save_weights(partial, overwrite=True)
+    try:
+        callback.model.save_weights(partial, overwrite=True)
+    except BaseException:
+        # Keras closes the file only after a complete save: the half-written one stays
+        # open while the error's traceback lives, and the next save could not open it.
+        _close_h5_file(partial)
+        raise
     annotate(partial)
     if callback.double_checkpoint:
         for path, previous in ((callback._weights_path, callback._prev_weights_path),
@@ -253,6 +259,16 @@ def write_backup(callback, annotate):
     os.replace(partial, callback._weights_path)
     with open(callback._training_metadata_path, "w") as f:
         json.dump({"epoch": callback._current_epoch, "batch": callback._last_batch_seen}, f)
+
+
+def _close_h5_file(path):
+    """Closes every h5py handle of the file at `path` that this process holds."""
+    import h5py
+
+    target = os.path.realpath(path)
+    for file_id in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_FILE):
+        if os.path.realpath(os.fsdecode(file_id.name)) == target:
+            h5py.File(file_id).close()
 
 
 @contextlib.contextmanager
