@@ -21,7 +21,10 @@ TensorFlow's log lines (its start-up notices, `failed call to cuInit` on a machi
 without a GPU, its servers' and sessions' INFO lines) do not reach the user: importing
 kerasps sets `TF_CPP_MIN_LOG_LEVEL=3` unless the environment sets it (a value the user
 set wins), and drops the lines TensorFlow prints as it is imported, after kerasps.
-`KERASPS_TF_LOGS=1` shows them all (`kerasps.backend.tf_logs`). In a task of a
+`KERASPS_TF_LOGS=1` shows them all (`kerasps.backend.tf_logs`). Once keras-rs is
+imported too, kerasps' keras-rs hooks are installed (each defers to keras-rs' own code
+outside a kerasps scope), so that a `.keras` file holding a kerasps dynamic table loads
+with no strategy made. In a task of a
 `kerasps launch` job, Ctrl-C (an uncaught `KeyboardInterrupt`) ends the process without a
 traceback (`kerasps.runtime.launch_env.quiet_interrupts`).
 
@@ -84,8 +87,23 @@ def __dir__():
     return __all__
 
 
+import sys as _sys  # noqa: E402
+
+from kerasps.backend import imports as _imports  # noqa: E402
 from kerasps.backend import tf_logs as _tf_logs  # noqa: E402
 from kerasps.runtime import launch_env as _launch_env  # noqa: E402
 
+
+def _install_keras_rs_hooks():
+    if "kerasps.backend._keras_rs" in _sys.modules:
+        return  # keras-rs is imported by kerasps' hooks, which install themselves next
+    from kerasps.keras import hooks
+
+    hooks.install_keras_rs()
+
+
 _tf_logs.quiet()
 _launch_env.quiet_interrupts()  # under `kerasps launch`: Ctrl-C ends a task without a traceback
+# A `.keras` file holding a kerasps dynamic table loads in a program that imported kerasps,
+# strategy or not: kerasps' keras-rs hooks are installed with keras-rs.
+_imports.after_import("keras_rs", _install_keras_rs_hooks)

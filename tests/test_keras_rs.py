@@ -926,6 +926,25 @@ np.testing.assert_allclose(loaded.predict(dict(np.load(sys.argv[2])), verbose=0)
 """
 
 
+# A program that imports kerasps and makes no strategy (a notebook looking at a model).
+LOAD_WITHOUT_A_STRATEGY = r"""
+import sys
+
+import keras
+import numpy as np
+
+import kerasps
+import keras_rs  # noqa: F401  (Keras finds keras-rs' layers once it is imported)
+
+loaded = keras.saving.load_model(sys.argv[1])
+tables = [feature.table for feature in keras.tree.flatten(
+    loaded.get_layer("embedding")._feature_configs)]
+assert kerasps.layers.DynamicTableConfig in map(type, tables), tables
+np.testing.assert_allclose(loaded.predict(dict(np.load(sys.argv[2])), verbose=0),
+                           np.load(sys.argv[3]), rtol=1e-6)
+"""
+
+
 def test_a_dynamic_table_stays_dynamic_in_keras_files_and_exports(make_strategy, tmp_path):
     with two_shards(make_strategy).scope():
         model = build(dynamic_configs(), dtype="int64")
@@ -950,12 +969,15 @@ def test_a_dynamic_table_stays_dynamic_in_keras_files_and_exports(make_strategy,
 
     np.savez(tmp_path / "features.npz", **probe)
     np.save(tmp_path / "expected.npy", expected)
-    # A fresh program loads it without importing `DynamicTableConfig` first.
-    result = subprocess.run(
-        [sys.executable, "-c", LOAD_IN_A_FRESH_PROGRAM, path, str(tmp_path / "features.npz"),
-         str(tmp_path / "expected.npy")],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    # A fresh program loads it without importing `DynamicTableConfig` first, under a
+    # strategy or with none (before, keras-rs failed with `TableConfig.__init__() got an
+    # unexpected keyword argument 'kerasps_dynamic_table'` where no strategy was made).
+    for program in (LOAD_IN_A_FRESH_PROGRAM, LOAD_WITHOUT_A_STRATEGY):
+        result = subprocess.run(
+            [sys.executable, "-c", program, path, str(tmp_path / "features.npz"),
+             str(tmp_path / "expected.npy")],
+            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
 
     model.export(str(tmp_path / "saved_model"), verbose=False)
     result = subprocess.run(

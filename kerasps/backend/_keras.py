@@ -748,7 +748,10 @@ def _load_whole_variables(saveable, store, target):
             f"it: it has {len(variables)} variables"
             + (f" ({unbuilt} before it was built)" if unbuilt is not None else "")
             + f", the file holds {len(store.keys())}. "
-            f"Expected: {[v.path for v in variables]}")
+            f"Expected: {[v.path for v in variables]}. A model whose tables have "
+            "optimizers of their own (keras-rs' `TableConfig.optimizer`) was saved with "
+            "no slots of theirs in its optimizer, which only a kerasps strategy's scope "
+            "gives it: load it there, or with `compile=False` to predict.")
     for i, variable in enumerate(variables):
         variable.assign(store[f"{i}"])
 

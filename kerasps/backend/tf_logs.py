@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
-import importlib.abc
 import logging
 import mmap
 import os
@@ -52,6 +51,8 @@ import struct
 import sys
 import tempfile
 import threading
+
+from kerasps.backend import imports
 
 __all__ = ["ENV", "LEVEL_ENV", "QUIET_LEVEL", "wanted", "quiet", "is_start_up_noise",
            "set_min_log_level", "launched_environment"]
@@ -112,9 +113,8 @@ def quiet(environ=None):
         if "tensorflow" in sys.modules:  # loaded before kerasps: its start-up lines are out
             if user_level is None:
                 set_min_log_level(int(QUIET_LEVEL))
-        elif _level(environ) > 0 and not any(
-                isinstance(finder, _QuietImport) for finder in sys.meta_path):
-            sys.meta_path.insert(0, _QuietImport())
+        elif _level(environ) > 0:
+            imports.around_first_import("tensorflow", _start_up_lines_dropped)
 
 
 def launched_environment(env: dict, tf_logs: bool) -> dict:
@@ -202,44 +202,6 @@ def _start_up_lines_dropped():
                 kept = kept[os.write(2, kept):]
             except OSError:
                 break
-
-
-class _TensorFlowLoader(importlib.abc.Loader):
-    """Runs the `tensorflow` package's own loader with its start-up lines dropped."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        # From here on the package has its own loader, as if imported without kerasps.
-        module.__loader__ = self._loader
-        if getattr(module, "__spec__", None) is not None:
-            module.__spec__.loader = self._loader
-        with _start_up_lines_dropped():
-            self._loader.exec_module(module)
-
-
-class _QuietImport(importlib.abc.MetaPathFinder):
-    """Finds `tensorflow` as the finders after it do, with `_TensorFlowLoader` as its loader."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "tensorflow":
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or isinstance(finder, _QuietImport) or find is None:
-                continue
-            spec = find(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _TensorFlowLoader(spec.loader)
-        return spec
 
 
 # -- the loaded library's level ----------------------------------------------------------------

@@ -24,10 +24,17 @@ def install():
     """Installs the Keras hooks, and keras-rs' where keras-rs is installed (idempotent)."""
     _keras.install(trainer=trainer, variables=variables, sparse=sparse)
     if keras_rs_installed():
-        from kerasps.backend import _keras_rs
-        from kerasps.keras.layers import rs_tables
+        install_keras_rs()
 
-        _keras_rs.install(tables=rs_tables)
+
+def install_keras_rs():
+    """Installs keras-rs' hooks alone (idempotent): `import kerasps` does once keras-rs is
+    imported. Each defers to keras-rs' own code outside a kerasps scope, but a serialized
+    `DynamicTableConfig` comes back as one."""
+    from kerasps.backend import _keras_rs
+    from kerasps.keras.layers import rs_tables
+
+    _keras_rs.install(tables=rs_tables)
 
 
 def uninstall():
