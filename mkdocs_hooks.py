@@ -67,11 +67,13 @@ def _module(dotted):
 
 @cache
 def _lazy(package):
-    """A package's `_LAZY` table (name -> module, or None for a submodule), if any."""
-    init = ROOT.joinpath(*package.split("."), "__init__.py")
-    if not init.exists():
+    """A package's or module's `_LAZY` table (name -> module, or None for a submodule of
+    a package), if any."""
+    base = ROOT.joinpath(*package.split("."))
+    source = base / "__init__.py" if (base / "__init__.py").exists() else base.with_suffix(".py")
+    if not source.exists():
         return {}
-    for node in ast.parse(init.read_text()).body:
+    for node in ast.parse(source.read_text()).body:
         if isinstance(node, ast.Assign) and any(
                 getattr(target, "id", None) == "_LAZY" for target in node.targets):
             return ast.literal_eval(node.value)

@@ -9,13 +9,16 @@ import importlib
 from kerasps.keras.layers.dynamic_embedding import DynamicEmbedding
 from kerasps.keras.layers.rs_tables import table_optimizers
 
+# Public name -> the module it is read from, on first use (as in `kerasps/__init__.py`).
+_LAZY = {"DynamicTableConfig": "kerasps.keras.layers.rs_dynamic"}
+
 __all__ = ["DynamicEmbedding", "DynamicTableConfig", "table_optimizers"]  # noqa: F822 (lazy)
 
 
 def __getattr__(name):
-    if name != "DynamicTableConfig":
+    if name not in _LAZY:
         raise AttributeError(f"module 'kerasps.layers' has no attribute {name!r}")
-    value = importlib.import_module("kerasps.keras.layers.rs_dynamic").DynamicTableConfig
+    value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value
 
