@@ -34,7 +34,7 @@ this folder (`kerasps/cluster.py`) that re-export the public names of the module
 they live (`kerasps.runtime.cluster`); every module has that one name.
 """
 
-import importlib
+from kerasps.backend import imports as _imports
 
 __version__ = "0.1.0"
 
@@ -71,16 +71,7 @@ _LAZY = {
 __all__ = sorted(_LAZY) + ["__version__"]
 
 
-def __getattr__(name):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'kerasps' has no attribute {name!r}")
-    module_name = _LAZY[name]
-    if module_name is None:
-        value = importlib.import_module(f"kerasps.{name}")
-    else:
-        value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
+__getattr__ = _imports.lazy_attributes(__name__, _LAZY)
 
 
 def __dir__():
@@ -89,7 +80,6 @@ def __dir__():
 
 import sys as _sys  # noqa: E402
 
-from kerasps.backend import imports as _imports  # noqa: E402
 from kerasps.backend import tf_logs as _tf_logs  # noqa: E402
 from kerasps.runtime import launch_env as _launch_env  # noqa: E402
 

@@ -4,8 +4,7 @@
 it is imported on first use, so that importing this module does not import keras-rs.
 """
 
-import importlib
-
+from kerasps.backend import imports as _imports
 from kerasps.keras.layers.dynamic_embedding import DynamicEmbedding
 from kerasps.keras.layers.rs_tables import table_optimizers
 
@@ -15,12 +14,7 @@ _LAZY = {"DynamicTableConfig": "kerasps.keras.layers.rs_dynamic"}
 __all__ = ["DynamicEmbedding", "DynamicTableConfig", "table_optimizers"]  # noqa: F822 (lazy)
 
 
-def __getattr__(name):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'kerasps.layers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = _imports.lazy_attributes(__name__, _LAZY)
 
 
 def __dir__():

@@ -4,8 +4,6 @@ trained by its `TableConfig.optimizer` as row updates, saved whole (`.weights.h5
 that admit and evict ids."""
 
 import json
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -341,6 +339,23 @@ np.save(sys.argv[3], served)
 """
 
 
+def run_program(program, *args, cwd):
+    """Runs `python -c program args` in a fresh interpreter; fails the test with its
+    stderr unless it succeeds."""
+    result = run_with_deadline(program, *map(str, args), deadline=300, cwd=cwd,
+                               what="the program")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def assert_served(model, tmp_path, expected):
+    """`model.export` serves `expected` for the features in `tmp_path / "features.npz"`, in
+    a clean interpreter that imports neither kerasps nor keras-rs, outside any strategy."""
+    model.export(str(tmp_path / "saved_model"), verbose=False)
+    run_program(SERVE, tmp_path / "saved_model", tmp_path / "features.npz",
+                tmp_path / "served.npy", cwd=tmp_path)
+    np.testing.assert_allclose(np.load(tmp_path / "served.npy"), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_export_serves_without_kerasps_and_keras_rs(make_strategy, tmp_path):
     with two_shards(make_strategy).scope():
         model = build(feature_configs("adagrad", keras.optimizers.SGD(0.5)))
@@ -348,15 +363,8 @@ def test_export_serves_without_kerasps_and_keras_rs(make_strategy, tmp_path):
         model.train_on_batch(features, labels)
     features = {name: np.concatenate([f[name] for f, _ in BATCHES]) for name in ("item", "user")}
     expected = model.predict(features, verbose=0)
-    model.export(str(tmp_path / "saved_model"), verbose=False)
     np.savez(tmp_path / "features.npz", **features)
-    # A clean interpreter that imports neither kerasps nor keras-rs, outside any strategy.
-    result = subprocess.run(
-        [sys.executable, "-c", SERVE, str(tmp_path / "saved_model"),
-         str(tmp_path / "features.npz"), str(tmp_path / "served.npy")],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    np.testing.assert_allclose(np.load(tmp_path / "served.npy"), expected, rtol=1e-6, atol=1e-6)
+    assert_served(model, tmp_path, expected)
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -973,19 +981,9 @@ def test_a_dynamic_table_stays_dynamic_in_keras_files_and_exports(make_strategy,
     # strategy or with none (before, keras-rs failed with `TableConfig.__init__() got an
     # unexpected keyword argument 'kerasps_dynamic_table'` where no strategy was made).
     for program in (LOAD_IN_A_FRESH_PROGRAM, LOAD_WITHOUT_A_STRATEGY):
-        result = subprocess.run(
-            [sys.executable, "-c", program, path, str(tmp_path / "features.npz"),
-             str(tmp_path / "expected.npy")],
-            capture_output=True, text=True, timeout=300, cwd=tmp_path)
-        assert result.returncode == 0, result.stderr[-3000:]
-
-    model.export(str(tmp_path / "saved_model"), verbose=False)
-    result = subprocess.run(
-        [sys.executable, "-c", SERVE, str(tmp_path / "saved_model"),
-         str(tmp_path / "features.npz"), str(tmp_path / "served.npy")],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    np.testing.assert_allclose(np.load(tmp_path / "served.npy"), expected, rtol=1e-6, atol=1e-6)
+        run_program(program, path, tmp_path / "features.npz", tmp_path / "expected.npy",
+                    cwd=tmp_path)
+    assert_served(model, tmp_path, expected)
 
 
 @pytest.mark.parametrize("arguments,message", [

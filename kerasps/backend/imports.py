@@ -1,9 +1,12 @@
-"""Code run around a package's first import, from a `sys.meta_path` finder.
+"""Imports on first use: a module's lazy public names, and code run around a package's
+first import (a `sys.meta_path` finder).
 
-`tf_logs` drops TensorFlow's start-up lines while `tensorflow` is imported; `import
-kerasps` installs its keras-rs hooks once `keras_rs` is imported
-(`kerasps.keras.hooks.install_keras_rs`), so that a `.keras` file holding a kerasps
-dynamic table loads in a program that imported kerasps and made no strategy.
+`kerasps`, `kerasps.layers` and `kerasps.keras.layers` read their public names from
+their modules on first use (`lazy_attributes`). `tf_logs` drops TensorFlow's start-up
+lines while `tensorflow` is imported; `import kerasps` installs its keras-rs hooks once
+`keras_rs` is imported (`kerasps.keras.hooks.install_keras_rs`), so that a `.keras`
+file holding a kerasps dynamic table loads in a program that imported kerasps and made
+no strategy.
 
 Pure Python: importing this module imports no package it watches.
 """
@@ -11,10 +14,28 @@ Pure Python: importing this module imports no package it watches.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.abc
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+
+
+def lazy_attributes(module: str, table: dict[str, str | None]):
+    """The `__getattr__` of `module` whose public names in `table` are imported on first
+    use and kept in the module: each name maps to the module it is read from, or to
+    `None` for a submodule of `module` of that name."""
+
+    def __getattr__(name):
+        if name not in table:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        home = table[name]
+        value = (importlib.import_module(f"{module}.{name}") if home is None
+                 else getattr(importlib.import_module(home), name))
+        setattr(sys.modules[module], name, value)
+        return value
+
+    return __getattr__
 
 
 class _Loader(importlib.abc.Loader):

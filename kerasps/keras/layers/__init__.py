@@ -12,7 +12,7 @@ Each name is imported on first use: importing this package imports neither keras
 nor the layers' modules.
 """
 
-import importlib
+from kerasps.backend import imports as _imports
 
 _LAZY = {"DynamicEmbedding": "kerasps.keras.layers.dynamic_embedding",
          "DynamicTableConfig": "kerasps.keras.layers.rs_dynamic",
@@ -21,12 +21,7 @@ _LAZY = {"DynamicEmbedding": "kerasps.keras.layers.dynamic_embedding",
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'kerasps.keras.layers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = _imports.lazy_attributes(__name__, _LAZY)
 
 
 def __dir__():
