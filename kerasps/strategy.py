@@ -279,6 +279,7 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         first_connection = not _tf.connected()
         _tf.forget_functions_of_earlier_connections()
         _tf.install_context_bound_resource_deleters()
+        _tf.restart_input_of_retried_functions()
         coordinator_lib.stop_every_coordinator()
         super().__init__(cluster_resolver, variable_partitioner=None)
         if first_connection:

@@ -401,10 +401,11 @@ _failures_installed = False
 
 
 def observe_worker_failures(observer):
-    """Calls `observer(worker_index)` whenever TensorFlow's coordinator finds a worker
-    failed: its per-worker resources (iterators) are then aborted, and rebuilt from the
-    start of their datasets once it answers again. Returns a function that removes the
-    observer."""
+    """Calls `observer(worker_index)` whenever a worker's iterators start again from the
+    start of their datasets: TensorFlow's coordinator found the worker failed (its
+    per-worker resources are then aborted, and rebuilt once it answers again), or it
+    runs a function again after a passing failure (`restart_input_of_retried_functions`).
+    Returns a function that removes the observer."""
     global _failures_installed
     if not _failures_installed:
         original = cluster_coordinator.Worker._set_resources_aborted
@@ -418,6 +419,88 @@ def observe_worker_failures(observer):
         _failures_installed = True
     _failure_observers.append(observer)
     return lambda: _failure_observers.remove(observer)
+
+
+_running = threading.local()  # the (worker, closure) a worker thread runs
+_retries_installed = False
+
+
+def restart_input_of_retried_functions():
+    """Makes TensorFlow's coordinator start again, on its worker, every iterator that a
+    function it runs again had read (idempotent).
+
+    The coordinator runs a function again, with the same arguments, after an error it
+    takes for a passing one (`WorkerPreemptionHandler.wait_on_failure`): an
+    `UnavailableError` from a ps task (each task's first
+    `TF_COORDINATOR_IGNORE_TRANSIENT_PS_FAILURES` - 1, 2 by default), a `CancelledError`
+    it calls derived, a timeout. A function that failed while its `next(iterator)`
+    waited for an element had cancelled that iterator for good (`IteratorGetNext`
+    passes the function's cancellation on to the iterator), so the second run, and
+    every later read, found the end of the input: a lost ps task ended a worker's
+    repeated input. Started again, the iterator reads its dataset from the start, as
+    TensorFlow's does on a worker that came back; the observers of
+    `observe_worker_failures` are told.
+    """
+    global _retries_installed
+    if _retries_installed:
+        return
+    _retries_installed = True
+    process_closure = cluster_coordinator.Worker._process_closure
+
+    def _process_closure(worker, closure):
+        _running.closure = (worker, closure)
+        try:
+            return process_closure(worker, closure)
+        finally:
+            _running.closure = None
+
+    cluster_coordinator.Worker._process_closure = _process_closure
+    for handler in (cluster_coordinator.WorkerPreemptionHandler,
+                    cluster_coordinator.CoordinationServicePreemptionHandler):
+        handler.wait_on_failure = _restarting_input_on_retry(handler.wait_on_failure)
+
+
+def _restarting_input_on_retry(wait_on_failure):
+    def restarting_wait_on_failure(handler, on_failure_fn=None, on_transient_failure_fn=None,
+                                   on_recovery_fn=None, worker_device_name="(unknown)"):
+        running = getattr(_running, "closure", None)  # None for a resource closure
+
+        def run_again():
+            if running is not None:
+                _restart_iterators_read_by(*running)
+            if on_transient_failure_fn is not None:
+                on_transient_failure_fn()
+
+        return wait_on_failure(handler, on_failure_fn=on_failure_fn,
+                               on_transient_failure_fn=run_again,
+                               on_recovery_fn=on_recovery_fn,
+                               worker_device_name=worker_device_name)
+
+    return restarting_wait_on_failure
+
+
+def _restart_iterators_read_by(worker, closure):
+    iterators = [value for value in nest.flatten((closure._args, closure._kwargs))
+                 if isinstance(value, PerWorkerDistributedIterator)]
+    if not iterators:
+        return
+    with worker._resource_tracking_lock:
+        if worker._is_dead_with_error:
+            return  # rebuilt when it answers again
+        for iterator in iterators:
+            # On the worker's own queue, which it serves before the function runs again.
+            worker._schedule_resource(iterator._values[worker.worker_index]._closure)
+    # Said louder when the function runs again (its queue has not failed); a cancelled
+    # one's error reaches the caller anyway.
+    runs_again = worker._cluster.closure_queue._error is None
+    logging.getLogger("kerasps").log(
+        logging.WARNING if runs_again else logging.INFO,
+        "A function on worker %d failed with an error TensorFlow takes for a passing one%s; "
+        "the %d input iterator(s) it read start again from the start of their data on that "
+        "worker (the failure may have ended them).", worker.worker_index,
+        " and runs again" if runs_again else "", len(iterators))
+    for notify in list(_failure_observers):
+        notify(worker.worker_index)
 
 
 def trace_for_workers(strategy, function, args):
