@@ -439,7 +439,8 @@ def restart_input_of_retried_functions():
     every later read, found the end of the input: a lost ps task ended a worker's
     repeated input. Started again, the iterator reads its dataset from the start, as
     TensorFlow's does on a worker that came back; the observers of
-    `observe_worker_failures` are told.
+    `observe_worker_failures` are told. (A function cancelled after another's error
+    is not run again: the caller gets that error.)
     """
     global _retries_installed
     if _retries_installed:
@@ -480,6 +481,10 @@ def _restarting_input_on_retry(wait_on_failure):
 
 
 def _restart_iterators_read_by(worker, closure):
+    if worker._cluster.closure_queue._error is not None:
+        # Cancelled, not run again: its caller gets the error and starts the input
+        # again as it sees fit (`fit` restarts every pipeline after a lost ps task).
+        return
     iterators = [value for value in nest.flatten((closure._args, closure._kwargs))
                  if isinstance(value, PerWorkerDistributedIterator)]
     if not iterators:
@@ -490,15 +495,11 @@ def _restart_iterators_read_by(worker, closure):
         for iterator in iterators:
             # On the worker's own queue, which it serves before the function runs again.
             worker._schedule_resource(iterator._values[worker.worker_index]._closure)
-    # Said louder when the function runs again (its queue has not failed); a cancelled
-    # one's error reaches the caller anyway.
-    runs_again = worker._cluster.closure_queue._error is None
-    logging.getLogger("kerasps").log(
-        logging.WARNING if runs_again else logging.INFO,
-        "A function on worker %d failed with an error TensorFlow takes for a passing one%s; "
-        "the %d input iterator(s) it read start again from the start of their data on that "
-        "worker (the failure may have ended them).", worker.worker_index,
-        " and runs again" if runs_again else "", len(iterators))
+    logging.getLogger("kerasps").warning(
+        "A function on worker %d failed with an error TensorFlow takes for a passing one "
+        "and runs again; the %d input iterator(s) it read start again from the start of "
+        "their data on that worker (the failure may have ended them).",
+        worker.worker_index, len(iterators))
     for notify in list(_failure_observers):
         notify(worker.worker_index)
 
