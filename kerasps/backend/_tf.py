@@ -411,14 +411,18 @@ def observe_worker_failures(observer):
         original = cluster_coordinator.Worker._set_resources_aborted
 
         def _set_resources_aborted(worker, error):
-            for notify in list(_failure_observers):
-                notify(worker.worker_index)
+            _input_restarted(worker.worker_index)
             return original(worker, error)
 
         cluster_coordinator.Worker._set_resources_aborted = _set_resources_aborted
         _failures_installed = True
     _failure_observers.append(observer)
     return lambda: _failure_observers.remove(observer)
+
+
+def _input_restarted(worker_index):
+    for notify in list(_failure_observers):
+        notify(worker_index)
 
 
 _running = threading.local()  # the (worker, closure) a worker thread runs
@@ -489,19 +493,15 @@ def _restart_iterators_read_by(worker, closure):
                  if isinstance(value, PerWorkerDistributedIterator)]
     if not iterators:
         return
-    with worker._resource_tracking_lock:
-        if worker._is_dead_with_error:
-            return  # rebuilt when it answers again
-        for iterator in iterators:
-            # On the worker's own queue, which it serves before the function runs again.
-            worker._schedule_resource(iterator._values[worker.worker_index]._closure)
+    # On the worker's own queue, which it serves before the function runs again.
+    if not _rebuild_on(worker, [i._values[worker.worker_index] for i in iterators]):
+        return  # found failed: rebuilt when it answers again
     logging.getLogger("kerasps").warning(
         "A function on worker %d failed with an error TensorFlow takes for a passing one "
         "and runs again; the %d input iterator(s) it read start again from the start of "
         "their data on that worker (the failure may have ended them).",
         worker.worker_index, len(iterators))
-    for notify in list(_failure_observers):
-        notify(worker.worker_index)
+    _input_restarted(worker.worker_index)
 
 
 def trace_for_workers(strategy, function, args):
@@ -920,6 +920,15 @@ def rebuild_per_worker_resources(tf_coordinator, per_worker_values):
     found failed is skipped (TensorFlow rebuilds its resources once it is back).
     """
     for worker, remote in zip(workers(tf_coordinator), per_worker_values._values):
-        with worker._resource_tracking_lock:
-            if not worker._is_dead_with_error:
-                worker._schedule_resource(remote._closure)
+        _rebuild_on(worker, [remote])
+
+
+def _rebuild_on(worker, remotes) -> bool:
+    """Runs the functions that made `remotes` (per-worker resources) again on `worker`'s
+    own queue, unless TensorFlow found it failed; returns whether they run."""
+    with worker._resource_tracking_lock:
+        if worker._is_dead_with_error:
+            return False
+        for remote in remotes:
+            worker._schedule_resource(remote._closure)
+        return True
