@@ -80,8 +80,8 @@ def test_hybrid_applies_each_workers_row_update_whole_and_averages_the_dense_one
     _reference_steps(single, 5, x, ids, y, embedding_scale=2.0)
     _assert_same(model, single)
     assert int(model.optimizer.iterations.numpy()) == 5  # global steps
-    assert history.history["dropped_gradients"] == [0]
-    assert "staleness" in history.history  # of the row updates, in global steps
+    # Without backup workers both counts could only be 0: the logs leave them out.
+    assert "dropped_gradients" not in history.history and "staleness" not in history.history
 
 
 def test_a_layer_set_to_global_steps_trains_as_in_sync_mode(make_strategy):
@@ -111,6 +111,7 @@ def test_a_late_workers_row_update_is_applied_and_its_dense_gradient_dropped(mak
     history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=1, steps_per_epoch=4,
                         verbose=0)
     assert history.history["dropped_gradients"][0] >= 1  # the slow worker's dense gradients
+    assert "staleness" in history.history  # of the row updates, in global steps
     moved = np.abs(np.array(table.embeddings.numpy()) - before).sum(axis=1)
     assert (moved[slow_ids] > 0).all()  # its row updates were applied all the same
 
@@ -124,7 +125,7 @@ def one_worker_run():
                                          per_worker_stream=True)
     _assert_same(model, single)
     assert int(model.optimizer.iterations.numpy()) == 8
-    assert history.history["dropped_gradients"] == [0]
+    assert "dropped_gradients" not in history.history  # no backup worker: nothing dropped
     assert "staleness" not in history.history  # one worker: nothing is stale
     print("ONE WORKER OK")
 
@@ -178,3 +179,50 @@ def test_custom_loop_sync_steps_apply_row_updates_on_arrival_in_hybrid_mode(make
     assert int(optimizer.iterations.numpy()) == 4  # global steps
     _reference_steps(single, 4, x, ids, y, embedding_scale=2.0)
     _assert_same(model, single)
+
+
+def test_fit_on_arrays_in_hybrid_mode_says_what_this_call_can_do(make_strategy):
+    # Arrays without `steps_per_epoch` are read exactly once, which hybrid mode cannot
+    # do. The error used to advise `kerasps.InputOptions(exactly_once=False)`, which
+    # arrays cannot take; `steps_per_epoch` is what this call can add, and it trains.
+    strategy = make_strategy(mode="hybrid")
+    x, ids, y = _batches(2)
+    x, ids, y = np.concatenate(x), np.concatenate(ids), np.concatenate(y)
+    with strategy.scope():
+        model = _model(keras.optimizers.SGD(0.05))
+    with pytest.raises(ValueError, match=r"Invalid value for argument `x`") as raised:
+        model.fit((x, ids), y, batch_size=4, epochs=1, verbose=0)
+    message = str(raised.value)
+    assert "InputOptions" not in message, message
+    assert "`steps_per_epoch`" in message and "Received: x=tuple" in message, message
+    history = model.fit((x, ids), y, batch_size=4, epochs=1, steps_per_epoch=2, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert "loss" in history.history
+
+
+def test_an_exactly_once_dataset_creator_in_hybrid_mode_is_told_to_change_its_options(
+        make_strategy):
+    strategy = make_strategy(mode="hybrid")
+    with strategy.scope():
+        model = _model(keras.optimizers.SGD(0.05))
+    x, ids, y = _batches(1)
+    creator = kerasps.DatasetCreator(
+        lambda context: tf.data.Dataset.from_tensors(((x[0], ids[0]), y[0])),
+        input_options=kerasps.InputOptions(exactly_once=True))
+    with pytest.raises(ValueError, match=r"Invalid value for argument `x`") as raised:
+        model.fit(creator, epochs=1, steps_per_epoch=2, verbose=0)
+    message = str(raised.value)
+    assert ("`kerasps.DatasetCreator` with "
+            "`input_options=kerasps.InputOptions(exactly_once=False)`") in message, message
+
+
+def test_hybrid_without_backup_workers_logs_no_count_that_can_only_be_0(make_strategy):
+    # Every worker's gradient of a global step is awaited before it is applied: no dense
+    # gradient is dropped and no row update is applied after a global step it did not
+    # see. Both keys used to be in every epoch's logs, as 0.
+    strategy = make_strategy(mode="hybrid")
+    x, ids, y = _batches(2)
+    _, _, history = _fit(strategy, lambda: keras.optimizers.SGD(0.05), 3, x, ids, y)
+    assert "dropped_gradients" not in history.history
+    assert "staleness" not in history.history
+    assert "loss" in history.history

@@ -600,7 +600,8 @@ def test_sync_and_hybrid_modes_hand_the_tables_gradients_to_their_own_optimizers
     assert np.flatnonzero(moved).tolist() == touched
     assert all(np.abs(a - b).max() > 1e-4 for a, b in zip(dense_weights(model), before_dense))
     assert int(model.optimizer.iterations.numpy()) == 4  # global steps
-    assert history.history["dropped_gradients"] == [0]
+    # Hybrid without backup workers drops nothing and logs no count (always 0).
+    assert history.history.get("dropped_gradients") == {"sync": [0], "hybrid": None}[mode]
     optimizers = rs_tables.table_optimizers(model.get_layer("embedding"))
     updates = {"sync": 4, "hybrid": 8}[mode]
     assert [int(optimizers[n].iterations.numpy()) for n in ("items", "users")] == [updates] * 2

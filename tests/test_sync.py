@@ -165,6 +165,10 @@ def test_staleness_is_left_out_with_one_worker_dropped_gradients_in_async_mode()
                                                                "dropped_gradients"}
     assert staleness.meaningless(sync=False, num_workers=2) == {"dropped_gradients"}
     assert staleness.meaningless(sync=True, num_workers=4) == {"staleness"}
+    assert staleness.meaningless(sync=True, num_workers=4, hybrid=True,
+                                 backup_workers=1) == set()
+    assert staleness.meaningless(sync=True, num_workers=4, hybrid=True,
+                                 backup_workers=0) == {"staleness", "dropped_gradients"}
 
 
 def test_sync_step_needs_a_sync_strategy(make_strategy):

@@ -89,7 +89,8 @@ class Epochs:
         strategy = self.model.distribute_strategy
         self.sync = strategy.consistency.sync
         self.hidden = staleness.meaningless(self.sync, strategy.num_workers,
-                                            strategy.consistency.hybrid)
+                                            strategy.consistency.hybrid,
+                                            strategy.backup_workers)
 
     def begin(self, epoch: int, step: int):
         """Starts epoch `epoch` at its step `step` (a resumed `fit` starts mid-epoch)."""
@@ -142,7 +143,7 @@ class Epochs:
                 logs = to_logs(unpack(self.model, result))
                 if isinstance(logs, dict):
                     logs = {k: v for k, v in logs.items() if k not in self.hidden}
-                    if self.sync:
+                    if staleness.DROPPED not in self.hidden:
                         logs[staleness.DROPPED] = self.dropped
                 self.logs = logs
             if self.call.batch_logs:

@@ -32,13 +32,17 @@ class Source:
         total_batches: the number of batches over all workers if known.
         options: the `kerasps.InputOptions` (or TensorFlow's) of the input.
         creator: the user's `DatasetCreator`, whose pipelines are built once.
+        once_by_default: whether `exactly_once` was chosen by kerasps, for arrays or
+            a finite dataset given without a step count (no options said so).
     """
 
-    def __init__(self, dataset_fn, total_batches=None, options=None, creator=None):
+    def __init__(self, dataset_fn, total_batches=None, options=None, creator=None,
+                 once_by_default=False):
         self.dataset_fn = dataset_fn
         self.total_batches = total_batches
         self.options = options
         self.creator = creator
+        self.once_by_default = once_by_default
 
     @property
     def exactly_once(self) -> bool:
@@ -117,7 +121,8 @@ def make_source(x, y, sample_weight, batch_size, shuffle, training, strategy, ar
         total = tf.data.INFINITE_CARDINALITY
 
     options = distributed_options
-    if options is None:  # a finite (or unknown-size) dataset without a step count: once
+    by_default = options is None
+    if by_default:  # a finite (or unknown-size) dataset without a step count: once
         options = input_lib.InputOptions(exactly_once=bool(
             training and steps is None and total != 0
             and total != tf.data.INFINITE_CARDINALITY))
@@ -125,7 +130,7 @@ def make_source(x, y, sample_weight, batch_size, shuffle, training, strategy, ar
         options = input_lib.InputOptions(shard_policy="data")
     if options.exactly_once:
         return Source(lambda _: _tf.deserialize_dataset(graph, spec), total_batches=total,
-                      options=options, creator=creator)
+                      options=options, creator=creator, once_by_default=by_default)
     policy = input_lib.resolve_shard_policy(dataset, options.shard_policy or "auto",
                                             strategy.num_workers)
 

@@ -23,17 +23,21 @@ STALENESS = "staleness"
 DROPPED = "dropped_gradients"
 
 
-def meaningless(sync: bool, num_workers: int, hybrid: bool = False) -> set:
+def meaningless(sync: bool, num_workers: int, hybrid: bool = False,
+                backup_workers: int = 0) -> set:
     """The counts `fit` leaves out of its logs (batch and epoch logs, so also the
     progress bar and the History), as they cannot be other than 0: `staleness` in
     sync mode (each gradient is applied to the weights it was computed on) and with
     one worker (it runs one step at a time); `dropped_gradients` in async mode
-    (every gradient is applied). Hybrid mode (`sync` too) has both: the staleness
-    of its row updates, in global steps, and the dense gradients it dropped."""
+    (every gradient is applied). Hybrid mode (`sync` too) has both with backup
+    workers: the staleness of its row updates, in global steps, and the dense
+    gradients it dropped; without, neither (a global step waits for every worker's
+    gradient, so no row update is applied after a step it did not see).
+    (Sync mode keeps `dropped_gradients` without backup workers, 0, as it always has.)"""
     hidden = set()
-    if sync and not hybrid or num_workers == 1:
+    if sync and not hybrid or num_workers == 1 or hybrid and not backup_workers:
         hidden.add(STALENESS)
-    if not sync:
+    if not sync or hybrid and not backup_workers:
         hidden.add(DROPPED)
     return hidden
 
@@ -78,7 +82,7 @@ def epoch_logs(model, cache, dropped: int) -> dict:
     (`dropped`, in sync mode)."""
     strategy = model.distribute_strategy
     hidden = meaningless(strategy.consistency.sync, strategy.num_workers,
-                         strategy.consistency.hybrid)
+                         strategy.consistency.hybrid, strategy.backup_workers)
     logs = {}
     if STALENESS not in hidden and measuring(model):
         total, count = counter(model, cache).numpy()

@@ -75,6 +75,20 @@ def _known(total):
     return total if total is not None and total > 0 else None
 
 
+def _repeated_input_advice(source) -> str:
+    """What a `fit` call whose input `source` is read exactly once can change so that
+    each worker reads its input repeated instead, in the form of its `x`."""
+    if source.once_by_default:  # arrays or a finite dataset, without `steps_per_epoch`
+        return ("give `steps_per_epoch`: each worker then reads its shard of the data, "
+                "repeated")
+    if source.creator is not None:
+        return ("make the `kerasps.DatasetCreator` with "
+                "`input_options=kerasps.InputOptions(exactly_once=False)` and give "
+                "`steps_per_epoch`")
+    return ("pass the dataset itself, or distributed with "
+            "`kerasps.InputOptions(exactly_once=False)`, and give `steps_per_epoch`")
+
+
 def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
         validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
         sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
@@ -108,14 +122,14 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     coordinator = ClusterCoordinator(model.distribute_strategy)
     source = make_source(x, y, sample_weight, batch_size, shuffle, training=True,
                          strategy=coordinator.strategy, steps=steps_per_epoch)
-    per_worker = per_worker_dataset(coordinator, source, "train")
-    to_end = per_worker.exactly_once  # an epoch is one pass over the data
-    if to_end and model.distribute_strategy.consistency.sync:
+    if source.exactly_once and model.distribute_strategy.consistency.sync:
         raise ValueError(
             "Invalid value for argument `x`: exactly-once input (a tf.data service job "
-            "per epoch) is not supported with `mode='sync'` or `mode='hybrid'` yet; give "
-            "`steps_per_epoch` or `kerasps.InputOptions(exactly_once=False)`. Received: x="
-            f"{type(x).__name__} read exactly once")
+            "per epoch) is not supported with `mode='sync'` or `mode='hybrid'` yet; "
+            f"{_repeated_input_advice(source)}. Received: x={type(x).__name__} read "
+            "exactly once")
+    per_worker = per_worker_dataset(coordinator, source, "train")
+    to_end = per_worker.exactly_once  # an epoch is one pass over the data
     if steps_per_epoch is None and not to_end:
         total = total_batches(source, coordinator)
         if total is None or total == tf.data.INFINITE_CARDINALITY or total == 0:
