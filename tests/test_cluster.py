@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import portpicker
 import pytest
@@ -142,6 +143,66 @@ def test_in_process_sets_grpc_fail_fast_and_counts_tasks(cluster):
 def test_in_process_rejects_bad_counts(kwargs, name):
     with pytest.raises(ValueError, match=rf"argument `{name}`.*Received: {name}="):
         kerasps.cluster.in_process(**kwargs)
+
+
+# -- in_process() in a task of `kerasps launch` (no server starts: monkeypatched environment) ---
+LAUNCHED_TF_CONFIG = json.dumps({
+    "cluster": {"chief": ["localhost:1"], "worker": ["localhost:2", "localhost:3"],
+                "ps": ["localhost:4"]},
+    "task": {"type": "chief", "index": 0}})
+
+
+@pytest.fixture
+def launched_chief(monkeypatch):
+    """This process as `kerasps launch` makes its chief: TF_CONFIG and $KERASPS_TASK."""
+    monkeypatch.setenv("TF_CONFIG", LAUNCHED_TF_CONFIG)
+    monkeypatch.setenv("KERASPS_TASK", "chief 0")
+    return monkeypatch
+
+
+def test_in_process_in_a_launched_job_stops_it_naming_what_to_call(launched_chief, cluster):
+    """A script that kept `in_process()` under `kerasps launch` trained on a cluster of its
+    own while the launched servers sat idle (it only warned): it now raises, starting
+    nothing, and says what to call instead."""
+    from kerasps.runtime import cluster as cluster_lib
+
+    servers = list(cluster_lib._SERVERS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an error, not a warning besides
+        with pytest.raises(RuntimeError) as raised:
+            kerasps.cluster.in_process(num_workers=2, num_ps=2)
+    message = str(raised.value)
+    assert message.startswith(
+        "kerasps.cluster.in_process() was called in chief 0 of a `kerasps launch` job "
+        "(TF_CONFIG: 2 workers, 1 ps tasks), so it started no cluster"), message
+    assert "kerasps.cluster.resolve(num_workers=2, num_ps=2)" in message
+    assert "kerasps.cluster.from_tf_config()" in message
+    assert "under_launch='allow'" in message
+    assert cluster_lib._SERVERS == servers
+
+
+def test_in_process_in_a_launched_job_starts_its_cluster_when_told_it_is_meant(
+        launched_chief, cluster):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolver = kerasps.cluster.in_process(num_workers=2, num_ps=2, under_launch="allow")
+    assert resolver.cluster_spec().as_dict() == cluster.cluster_spec().as_dict()
+
+
+def test_in_process_only_warns_where_tf_config_is_set_outside_kerasps_launch(
+        launched_chief, cluster):
+    launched_chief.delenv("KERASPS_TASK")  # a TF_CONFIG of the user's, or a TFJob's pod
+    with pytest.warns(UserWarning, match=r"in_process\(\) was called in a process whose "
+                                         r"TF_CONFIG names a cluster"):
+        resolver = kerasps.cluster.in_process(num_workers=2, num_ps=2)
+    assert resolver.cluster_spec().as_dict() == cluster.cluster_spec().as_dict()
+
+
+def test_in_process_rejects_an_unknown_under_launch_value(launched_chief):
+    with pytest.raises(ValueError, match=r"Invalid value for argument `under_launch`: "
+                                         r"expected 'error' or 'allow'\. "
+                                         r"Received: under_launch='yes'"):
+        kerasps.cluster.in_process(num_workers=2, num_ps=2, under_launch="yes")
 
 
 def test_serve_refuses_a_chief_task(monkeypatch):

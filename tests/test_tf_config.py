@@ -321,21 +321,20 @@ def shared_cluster(request):
     return request.getfixturevalue("cluster")
 
 
-def test_in_process_warns_in_the_chief_of_a_launched_job_naming_from_tf_config(env,
-                                                                              shared_cluster):
+def test_in_process_in_the_chief_of_a_launched_job_raises_unless_told_it_is_meant(
+        env, shared_cluster):
     """A script that keeps the README's `in_process()` under `kerasps launch` trained on a
-    cluster of its own while the job's servers sat idle, with no word."""
+    cluster of its own while the job's servers sat idle: it raises (tests/test_cluster.py
+    reads the message); `under_launch="allow"` starts it, without a warning."""
     env.setenv("TF_CONFIG", _tf_config())
     env.setenv("KERASPS_TASK", "chief 0")
-    with pytest.warns(UserWarning) as caught:
-        resolver = cluster.in_process(num_workers=2, num_ps=2)
-    message = str(caught[0].message)
-    assert message.startswith(
-        "kerasps.cluster.in_process() was called in chief 0 of a `kerasps launch` job "
-        "(TF_CONFIG: 2 workers, 2 ps tasks)"), message
-    assert "kerasps.cluster.from_tf_config()" in message
-    assert "kerasps.cluster.resolve(num_workers=2, num_ps=2)" in message
-    assert caught[0].filename == __file__  # the user's line, not kerasps'
+    with pytest.raises(RuntimeError, match=r"^kerasps\.cluster\.in_process\(\) was called in "
+                                           r"chief 0 of a `kerasps launch` job \(TF_CONFIG: "
+                                           r"2 workers, 2 ps tasks\)"):
+        cluster.in_process(num_workers=2, num_ps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolver = cluster.in_process(num_workers=2, num_ps=2, under_launch="allow")
     assert resolver.cluster_spec().as_dict() == shared_cluster.cluster_spec().as_dict()
 
 

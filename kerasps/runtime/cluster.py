@@ -10,9 +10,9 @@ workers and ps tasks are TensorFlow's own `tf.distribute.Server`s.
 
 `resolve` lets one script run everywhere: `python train.py` trains on an in-process
 cluster, `kerasps launch --workers 4 --ps 2 train.py` and Kubernetes on theirs.
-`in_process` in a process whose `TF_CONFIG` names a cluster (the chief of a
-`kerasps launch` job) warns: it would train on a cluster of its own while the job's
-servers sit idle.
+`in_process` in a task of a `kerasps launch` job raises (unless
+`under_launch="allow"`), and warns in any other process whose `TF_CONFIG` names a
+cluster: it would train on a cluster of its own while the job's servers sit idle.
 
 `TF_CONFIG` is the JSON document that Kubernetes TFJob and similar launchers
 set on every task:
@@ -180,7 +180,10 @@ def start_server(cluster_spec, task_type: str, task_index: int, num_workers=None
     return server
 
 
-def in_process(num_workers: int = 2, num_ps: int = 2):
+_UNDER_LAUNCH = ("error", "allow")  # what `in_process` does in a task of `kerasps launch`
+
+
+def in_process(num_workers: int = 2, num_ps: int = 2, *, under_launch: str = "error"):
     """Starts an in-process cluster on free loopback ports and returns its resolver.
 
     Every worker and ps task is a real `tf.distribute.Server` with gRPC on
@@ -193,22 +196,39 @@ def in_process(num_workers: int = 2, num_ps: int = 2):
     on a cluster another strategy used takes the cluster over, as when both
     share one resolver.
 
-    In a process whose `TF_CONFIG` names a cluster (the chief of a `kerasps launch`
-    job, a Kubernetes TFJob's pod, a JobSet's pod), it warns (a `UserWarning`) and
-    starts its cluster all the same: the program would train on it while the job's
+    In a task of a `kerasps launch` job (its `TF_CONFIG` set, and `$KERASPS_TASK`,
+    which only the launcher sets, naming the task) it raises a `RuntimeError` and
+    starts nothing: the program would train on a cluster of its own while the job's
     workers and ps tasks sit idle. Use `from_tf_config()` there, or `resolve()`
-    everywhere.
+    everywhere; `under_launch="allow"` says that a cluster of its own is meant, and
+    starts it. In any other process whose `TF_CONFIG` names a cluster (a Kubernetes
+    TFJob's pod, a JobSet's pod, a `TF_CONFIG` you set), it warns (a `UserWarning`)
+    and starts its cluster all the same.
 
     Args:
         num_workers: number of worker tasks, at least 1.
         num_ps: number of ps tasks, at least 1.
+        under_launch: in a task of a `kerasps launch` job, `"error"` (default) raises;
+            `"allow"` starts the in-process cluster there, without a word.
 
     Returns:
         A `tf.distribute.cluster_resolver.SimpleClusterResolver` with `rpc_layer="grpc"`.
+
+    Raises:
+        ValueError: if a count is not a positive integer, or `under_launch` is neither
+            `"error"` nor `"allow"`.
+        RuntimeError: in a task of a `kerasps launch` job, unless `under_launch="allow"`.
     """
     positive_int("num_workers", num_workers)
     positive_int("num_ps", num_ps)
-    if _tf_config_is_set():
+    if under_launch not in _UNDER_LAUNCH:
+        raise ValueError(
+            "Invalid value for argument `under_launch`: expected 'error' or 'allow'. "
+            f"Received: under_launch={under_launch!r}")
+    if launch_env.launched_task() is not None and _tf_config_is_set():
+        if under_launch == "error":
+            raise RuntimeError(_in_process_in_a_job(num_workers, num_ps, launched=True))
+    elif _tf_config_is_set():
         warnings.warn(_in_process_in_a_job(num_workers, num_ps), UserWarning, stacklevel=2)
     import portpicker
     import tensorflow as tf
@@ -235,8 +255,9 @@ def _tf_config_is_set() -> bool:
     return bool(os.environ.get("TF_CONFIG") or os.environ.get("KERASPS_JOBSET_NAME"))
 
 
-def _in_process_in_a_job(num_workers: int, num_ps: int) -> str:
-    """What `in_process` says in a process whose `TF_CONFIG` names a cluster."""
+def _in_process_in_a_job(num_workers: int, num_ps: int, launched: bool = False) -> str:
+    """What `in_process` says in a process whose `TF_CONFIG` names a cluster (`launched`:
+    a task of a `kerasps launch` job, where it raises)."""
     try:
         parsed = _read_tf_config(None)
     except ValueError:
@@ -255,12 +276,20 @@ def _in_process_in_a_job(num_workers: int, num_ps: int) -> str:
                  f"{parsed['task_index']}; {counts})")
     else:
         where = "a process whose TF_CONFIG names a cluster"
-    return (f"kerasps.cluster.in_process() was called in {where}: it starts "
+    what = (f"kerasps.cluster.in_process() was called in {where}: it starts "
             f"{num_workers} worker(s) and {num_ps} ps task(s) of its own in this process, "
             "and the strategy trains there while the job's workers and ps tasks sit idle. "
-            "Use kerasps.cluster.from_tf_config() to train on the job's cluster, or "
+            if not launched else
+            f"kerasps.cluster.in_process() was called in {where}, so it started no "
+            f"cluster: it would start {num_workers} worker(s) and {num_ps} ps task(s) of "
+            "its own in this process, and the strategy would train there while the job's "
+            "workers and ps tasks sit idle. ")
+    return (what + "Use kerasps.cluster.from_tf_config() to train on the job's cluster, or "
             f"kerasps.cluster.resolve(num_workers={num_workers}, num_ps={num_ps}), which "
-            "reads TF_CONFIG where it is set and starts an in-process cluster elsewhere.")
+            "reads TF_CONFIG where it is set and starts an in-process cluster elsewhere."
+            + (" If a cluster of its own is meant, call kerasps.cluster.in_process("
+               f"num_workers={num_workers}, num_ps={num_ps}, under_launch='allow')."
+               if launched else ""))
 
 
 def parse_tf_config(text: str) -> dict:
