@@ -160,3 +160,111 @@ def test_every_tutorial_is_a_page_of_the_site():
     assert not [n for n in notebooks if f": tutorials/{n}\n" not in mkdocs]
     assert not [n for n in notebooks if f"](tutorials/{n})" not in tutorials]
     assert re.search(r"(?m)^  - mkdocs-jupyter:\n      execute: false$", mkdocs)
+
+
+# -- Each guide's first program, as a user runs it --------------------------------------------
+
+def python_blocks(markdown):
+    """The code of a page's ```python blocks, in order."""
+    return re.findall(r"(?ms)^```python\n(.*?)^```", markdown)
+
+
+IMPORTED = re.compile(r"(?m)^(?:import|from) (\w+)")
+BEFORE_KERASPS = {"keras", "tensorflow", "keras_rs", "tf_keras"}  # each imports TensorFlow
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=lambda path: path.relative_to(ROOT).as_posix())
+def test_every_program_imports_kerasps_before_what_imports_tensorflow(page):
+    """`import kerasps` keeps TensorFlow's start-up lines off the console only when it
+    comes before TensorFlow's import (tests below run the guides' programs)."""
+    late = []
+    for block in python_blocks(page.read_text()):
+        modules = IMPORTED.findall(block)
+        if "kerasps" in modules:
+            first = modules.index("kerasps")
+            late += [m for m in modules[:first] if m in BEFORE_KERASPS]
+    assert not late, f"imported before kerasps: {late}"
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=lambda path: path.relative_to(ROOT).as_posix())
+def test_every_program_makes_its_cluster_with_resolve(page):
+    """One way everywhere: `kerasps.cluster.resolve(...)` starts an in-process cluster
+    alone and reads TF_CONFIG under `kerasps launch` (where `in_process` raises)."""
+    other = [call for block in python_blocks(page.read_text())
+             for call in re.findall(r"kerasps\.cluster\.(in_process|from_tf_config)\(", block)]
+    assert not other
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("guide", GUIDES, ids=lambda path: path.name)
+def test_a_guides_first_program_runs_and_prints_no_tensorflow_start_up_line(
+        guide, tmp_path, monkeypatch):
+    """The guide's first program, as a user runs it (`python program.py`, a fresh
+    interpreter, TensorFlow's logging left to kerasps): it ends with status 0, and its
+    stderr holds none of TensorFlow's start-up lines (oneDNN, "Could not find cuda
+    drivers", ...: kerasps.backend.tf_logs)."""
+    from kerasps.backend import tf_logs
+    from tests.launched import run_with_deadline
+
+    for name in ("TF_CPP_MIN_LOG_LEVEL", tf_logs.ENV, "TF_CONFIG", "KERASPS_TASK"):
+        monkeypatch.delenv(name, raising=False)  # the test session's settings, not a user's
+    program = python_blocks(guide.read_text())[0]
+    done = run_with_deadline(program, deadline=300, cwd=tmp_path,
+                             what=f"{guide.name}'s first program")
+    assert done.returncode == 0, done.stderr[-3000:]
+    noise = [line for line in done.stderr.splitlines() if tf_logs.is_start_up_noise(line)]
+    assert not noise, "\n".join(noise)
+
+
+# -- The guides' index: every page reachable, every strategy argument listed -----------------
+
+def test_every_guide_page_is_linked_from_the_index_the_readme_and_the_nav():
+    index = (ROOT / "docs" / "index.md").read_text()
+    guide_list = readme_section("Documentation")
+    nav = re.search(r"(?ms)^nav:\n(.*?)(?=^\S|\Z)", (ROOT / "mkdocs.yml").read_text()).group(1)
+    names = [guide.name for guide in GUIDES]
+    assert names
+    assert not [n for n in names if f"](guide/{n})" not in index], "docs/index.md"
+    assert not [n for n in names if f"](docs/guide/{n})" not in guide_list], "README.md"
+    assert not [n for n in names if not re.search(rf"(?m): guide/{re.escape(n)}$", nav)], (
+        "mkdocs.yml's nav")
+
+
+def table_rows(markdown, heading):
+    """The first cells (backticks and `=...` dropped) and the rows of the first table
+    under `heading`."""
+    section = re.search(rf"(?ms)^{re.escape(heading)}\n(.*?)(?=^#|\Z)", markdown)
+    assert section, f"no {heading!r} section"
+    rows = [line for line in section.group(1).splitlines() if line.startswith("|")][2:]
+    assert rows, f"no table under {heading!r}"
+    cells = [row.split("|")[1].strip() for row in rows]
+    return {re.fullmatch(r"`(\w+)(=\w+)?`", cell).group(1): row
+            for cell, row in zip(cells, rows)}
+
+
+def strategy_arguments():
+    import inspect
+
+    keras = pytest.importorskip("keras")  # noqa: F841 - kerasps' strategy needs it
+    import kerasps
+
+    signature = inspect.signature(kerasps.ParameterServerStrategy.__init__)
+    return [name for name in signature.parameters if name != "self"]
+
+
+def test_the_strategy_arguments_table_lists_every_argument_of_the_strategy():
+    """strategy-and-placement.md's `## Strategy arguments` table is the index of the
+    strategy's options: one row per argument, no row for one it does not take."""
+    rows = table_rows((ROOT / "docs" / "guide" / "strategy-and-placement.md").read_text(),
+                      "## Strategy arguments")
+    assert sorted(rows) == sorted(strategy_arguments())
+
+
+def test_the_sync_guides_options_table_names_every_mode_and_where_backups_apply():
+    from kerasps.policy.consistency import Mode
+
+    rows = table_rows((ROOT / "docs" / "guide" / "sync.md").read_text(), "## Options")
+    assert set(rows) <= set(strategy_arguments()), "a row for an argument the strategy lacks"
+    assert not [m.value for m in Mode if f'`"{m.value}"`' not in rows["mode"]]
+    mode_column = rows["backup_workers"].split("|")[2]
+    assert not [m.value for m in Mode if m is not Mode.ASYNC and m.value not in mode_column]
