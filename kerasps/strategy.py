@@ -280,6 +280,10 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         _tf.forget_functions_of_earlier_connections()
         _tf.install_context_bound_resource_deleters()
         _tf.restart_input_of_retried_functions()
+        _tf.install_function_removals_per_connection()
+        _tf.report_worker_failures()
+        _tf.keep_executor_tracebacks_in_detail()
+        tf_logs.keep_fault_detail()
         coordinator_lib.stop_every_coordinator()
         super().__init__(cluster_resolver, variable_partitioner=None)
         if first_connection:

@@ -39,8 +39,9 @@ class RunningJob:
         self.times: list[float] = []
         self.pids: dict[str, list[int]] = {}  # task -> pids, oldest first
         self._queue: queue.Queue = queue.Queue()
-        self.process = subprocess.Popen(
-            command, cwd=cwd, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
+        environ = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+        self.process = subprocess.Popen(  # `env` maps a variable to None to unset it
+            command, cwd=cwd, env={k: v for k, v in environ.items() if v is not None},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -43,6 +43,25 @@ def test_demo_prints_none_of_tensorflows_lines():
     assert result.stderr == ""
 
 
+def test_demo_to_a_file_writes_plain_lines(tmp_path):
+    """Issue 38: `kerasps demo > file` wrote Keras' progress bar as a terminal draws it,
+    ANSI colour codes, carriage returns and runs of backspaces; now, as `kerasps launch`
+    writes to a file, each bar once as last drawn, in plain text."""
+    out = tmp_path / "demo.txt"
+    with open(out, "wb") as f:
+        result = subprocess.run([sys.executable, "-m", "kerasps.cli", "demo", "--epochs", "2",
+                                 "--steps-per-epoch", "3", "--workers", "1", "--ps", "1"],
+                                stdout=f, stderr=subprocess.PIPE, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = out.read_bytes()
+    assert [c for c in (b"\x1b", b"\r", b"\b") if c in written] == [], written[-2000:]
+    lines = written.decode().splitlines()
+    assert [line for line in lines if line.startswith("3/3 ")] == [
+        line for line in lines if "/step" in line]  # each bar once, complete
+    assert len([line for line in lines if line.startswith("3/3 ")]) == 2, lines
+    assert lines[-1].startswith("Per-epoch loss: ")
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_the_demo_with_one_line_and_status_130():
     """Ctrl-C printed a KeyboardInterrupt traceback through kerasps' trainer (issue 31)."""

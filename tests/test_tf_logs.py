@@ -191,3 +191,79 @@ def test_kerasps_launch_gives_its_tasks_the_same_rule():
         "TF_CPP_MIN_LOG_LEVEL": "1"}  # the user's
     assert tf_logs.launched_environment({"TF_CPP_MIN_LOG_LEVEL": "0"}, tf_logs=True) == {
         "TF_CPP_MIN_LOG_LEVEL": "0", "KERASPS_TF_LOGS": "1"}
+
+
+# -- clean exits (issue 38) ---------------------------------------------------------------
+# (Not `failed call to cuInit`, printed once the first device is made on a machine without
+# a GPU: an error of TensorFlow's that this level asks for.)
+REMOVAL_ERROR = re.compile(r".*(context\.cc:\d+\]|Failed to remove function remotely|"
+                           r"non-existent function).*")
+
+
+def test_a_script_on_two_clusters_exits_without_tensorflows_errors_even_at_level_2():
+    """The functions of a first connection, freed after a second one (or at exit), were
+    removed from the tasks of the second, which never had them: an `E0000 ...
+    context.cc:911] Failed to remove function remotely due to Tried to remove non-existent
+    function` error per function and task, shown to a user who asked for TensorFlow's
+    errors (`TF_CPP_MIN_LOG_LEVEL=2`, as this test suite does). Now none is sent."""
+    result = run_program(KERASPS_FIRST + TWO_CLUSTERS, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert "trained" in result.stdout
+    assert REMOVAL_ERROR.findall(result.stderr) == [], result.stderr[-3000:]
+
+
+def test_a_pytest_session_of_strategies_on_in_process_clusters_ends_without_errors(tmp_path):
+    """`python -m pytest docs/guide/sync.md` passed its 3 tests, then printed 90 such
+    errors when pytest collected the garbage at its end."""
+    tests = "import gc\nimport keras, tensorflow as tf\nimport kerasps\n\n" + textwrap.dedent(
+        TWO_CLUSTERS.split("    first = train(1)")[0]) + textwrap.dedent("""
+        def test_first():
+            train(1)
+
+        def test_second():
+            train(2)
+        """)
+    (tmp_path / "test_two.py").write_text(tests)
+    (tmp_path / "conftest.py").write_text(
+        "import os\nos.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')\n")
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("TF_CPP_MIN_LOG_LEVEL", "KERASPS_TF_LOGS")}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "-c", os.devnull, "--rootdir", str(tmp_path), "test_two.py"],
+                            capture_output=True, text=True, timeout=DEADLINE, env=environ,
+                            cwd=tmp_path)
+    assert "2 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert REMOVAL_ERROR.findall(output) == [], output[-3000:]
+
+
+def test_tensorflows_messages_about_a_failure_go_to_the_file_kerasps_names(tmp_path, monkeypatch):
+    """Issue 38: TensorFlow's coordinator logs each failure it handles as an `ERROR:
+    tensorflow:` block of nested gRPC messages; they go to `detail_file()`, named by
+    kerasps' own line about the failure, and other records of TensorFlow stay."""
+    import logging
+
+    from kerasps.backend import tf_logs
+
+    monkeypatch.delenv("KERASPS_TF_LOGS", raising=False)
+    monkeypatch.setenv("KERASPS_TF_LOG_FILE", str(tmp_path / "tf.log"))
+    logger = logging.getLogger("tensorflow")
+    shown = []
+    handler = logging.Handler()
+    handler.emit = shown.append
+    logger.addHandler(handler)
+    try:
+        tf_logs.keep_fault_detail()
+        coordinator = "/x/tensorflow/python/distribute/coordinator/cluster_coordinator.py"
+        for pathname, text in [(coordinator, "Remote function on worker 0 failed"),
+                               ("/x/tensorflow/python/eager/def_function.py", "other")]:
+            logger.handle(logger.makeRecord("tensorflow", logging.ERROR, pathname, 1, text,
+                                            (), None))
+    finally:
+        logger.removeHandler(handler)
+        logger.filters = [f for f in logger.filters if not isinstance(f, tf_logs._FaultDetail)]
+    assert [record.getMessage() for record in shown] == ["other"]
+    assert "ERROR tensorflow: Remote function on worker 0 failed" in (
+        tmp_path / "tf.log").read_text()
+    assert tf_logs.detail_note() == f" TensorFlow's messages: {tmp_path / 'tf.log'}."
+    monkeypatch.setenv("KERASPS_TF_LOGS", "1")
+    assert tf_logs.detail_note() == ""

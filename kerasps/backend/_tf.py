@@ -20,7 +20,9 @@ from tensorflow.python.framework import composite_tensor, dtypes
 from tensorflow.python.framework import errors as tf_errors
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import array_ops, resource_variable_ops
-from tensorflow.python.util import nest
+from tensorflow.python.util import compat, nest
+
+from kerasps.backend import tf_logs
 
 ParameterServerStrategyV2 = pss_v2.ParameterServerStrategyV2
 ParameterServerStrategyV2Extended = pss_v2.ParameterServerStrategyV2Extended
@@ -496,12 +498,87 @@ def _restart_iterators_read_by(worker, closure):
     # On the worker's own queue, which it serves before the function runs again.
     if not _rebuild_on(worker, [i._values[worker.worker_index] for i in iterators]):
         return  # found failed: rebuilt when it answers again
-    logging.getLogger("kerasps").warning(
-        "A function on worker %d failed with an error TensorFlow takes for a passing one "
-        "and runs again; the %d input iterator(s) it read start again from the start of "
-        "their data on that worker (the failure may have ended them).",
-        worker.worker_index, len(iterators))
     _input_restarted(worker.worker_index)
+    now = time.monotonic()
+    if now - _step_retried_at.get(worker.worker_index, -_RETRY_QUIET_S) < _RETRY_QUIET_S:
+        return  # one line per worker and fault: TensorFlow runs a step again up to twice
+    _step_retried_at[worker.worker_index] = now
+    logging.getLogger("kerasps").warning(
+        "Worker %d lost its connection to a ps task while running a step; the step runs "
+        "again, and the worker's input starts again from the start of its data.",
+        worker.worker_index)
+
+
+_RETRY_QUIET_S = 60.0  # a worker's steps run again within this time are one fault's
+_step_retried_at: dict = {}  # worker index -> when the last line said its step runs again
+_down_since: dict = {}  # worker index -> when it was found failed, until it is back
+_reporting_installed = False
+
+
+def report_worker_failures():
+    """Says, in kerasps' log, when TensorFlow's coordinator finds a worker failed (its
+    steps go to the other workers) and when it is back, after how long (idempotent):
+    one line each, where TensorFlow logs its error (`tf_logs.keep_fault_detail` keeps it
+    in a file, which the first line names)."""
+    global _reporting_installed
+    if _reporting_installed:
+        return
+    _reporting_installed = True
+    on_failure = cluster_coordinator.Worker._set_resources_aborted
+    on_recovery = cluster_coordinator.Worker._on_worker_recovery
+
+    def _set_resources_aborted(worker, error):
+        if worker.worker_index not in _down_since:
+            _down_since[worker.worker_index] = time.monotonic()
+            logging.getLogger("kerasps").warning(
+                "Worker %d stopped answering (its process or its connection is gone); its "
+                "steps run on the other workers until it is back.%s", worker.worker_index,
+                tf_logs.detail_note())
+        return on_failure(worker, error)
+
+    def _on_worker_recovery(worker):
+        since = _down_since.pop(worker.worker_index, None)
+        if since is not None:
+            logging.getLogger("kerasps").warning(
+                "Worker %d is back after %.1f s; its input starts again from the start of "
+                "its data.", worker.worker_index, time.monotonic() - since)
+        return on_recovery(worker)
+
+    cluster_coordinator.Worker._set_resources_aborted = _set_resources_aborted
+    cluster_coordinator.Worker._on_worker_recovery = _on_worker_recovery
+
+
+_executor_hook_installed = False
+
+
+def keep_executor_tracebacks_in_detail():
+    """Sends to `tf_logs.detail_file()` the exceptions that TensorFlow's eager executors
+    raise when they are freed after a task was lost (`Exception ignored in: <function
+    Executor.__del__ ...>`, a traceback ending in `AbortedError: Unable to find a
+    context_id`): Python prints them, through `sys.unraisablehook`, on the console
+    (idempotent; none with `KERASPS_TF_LOGS=1`). Any other unraisable exception goes to
+    the hook that was there."""
+    global _executor_hook_installed
+    if _executor_hook_installed or tf_logs.wanted():
+        return
+    _executor_hook_installed = True
+    import sys
+    import traceback
+
+    previous = sys.unraisablehook
+
+    def unraisablehook(unraisable):
+        freed = unraisable.object
+        if (getattr(freed, "__qualname__", "") == "Executor.__del__"
+                and getattr(freed, "__module__", "").startswith("tensorflow.")
+                and tf_logs.write_detail(
+                    f"{unraisable.err_msg or 'Exception ignored in'}: {freed!r}\n" + "".join(
+                        traceback.format_exception(unraisable.exc_type, unraisable.exc_value,
+                                                   unraisable.exc_traceback)))):
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = unraisablehook
 
 
 def trace_for_workers(strategy, function, args):
@@ -725,6 +802,81 @@ def install_context_bound_resource_deleters():
         return set_server_def(self, *args, **kwargs)
 
     context.Context.set_server_def = set_server_def_bumping_the_generation
+
+
+# The names of the traced functions this process's eager context held when it last
+# connected to a cluster (`set_server_def`); see `install_function_removals_per_connection`.
+_functions_of_earlier_connections: set = set()
+_removals_installed = False
+
+
+def install_function_removals_per_connection():
+    """Keeps the freeing of a traced function from asking tasks that never had it to
+    remove it, and stops every such request at the interpreter's exit (idempotent).
+
+    A traced function freed in a connected process (`AtomicFunction.__del__` in
+    TensorFlow's `python/eager/polymorphic_function/atomic_function.py`) is removed
+    from the local context and from every task of the cluster connected now
+    (`EagerContext::MaybeRemoveFunctionRemotely`), which registered only the functions
+    made since it connected. A function made before the latest connection (before the
+    first strategy, or in an earlier cluster's: each `kerasps.cluster.in_process()`
+    block of a test session or notebook connects again) is unknown to those tasks, and
+    each logged `E0000 ... context.cc:911] Failed to remove function remotely due to
+    Tried to remove non-existent function '__inference__next_func_N'` (four lines per
+    function and task): 90 errors after a pytest session of 3 documentation blocks,
+    printed when pytest collects the garbage at its end. Such a function is now freed
+    without a request (its definition stays in the local context's library, a few
+    kilobytes); one of the current connection is removed everywhere, as before.
+
+    After the `atexit` handlers no removal is sent at all: the process and its context
+    end, and the tasks drop a context with its functions when its client goes away.
+    """
+    global _removals_installed
+    if _removals_installed:
+        return
+    _removals_installed = True
+    from tensorflow.python.eager.polymorphic_function import atomic_function
+    from tensorflow.python.framework import func_graph as func_graph_module
+
+    free = atomic_function.AtomicFunction.__del__
+
+    def __del__(function):  # noqa: N807 - the method it wraps
+        if function.name not in _functions_of_earlier_connections:
+            return free(function)
+        # TensorFlow's __del__, less the removal (its refcount per name and context).
+        if function._generated_graph:
+            func_graph_module.dismantle_func_graph(function._generated_graph)
+        references = atomic_function.RUNTIME_FUNCTION_REFS
+        if references is None:
+            return
+        key = (function._bound_context.function_scope_id, function.name)
+        references[key] = references.get(key, 1) - 1
+        if references[key] <= 0:
+            references.pop(key, None)
+            _functions_of_earlier_connections.discard(function.name)
+
+    atomic_function.AtomicFunction.__del__ = __del__
+    set_server_def = context.Context.set_server_def
+
+    def set_server_def_after_noting_the_functions(self, *args, **kwargs):
+        if self._context_handle is not None:
+            _functions_of_earlier_connections.update(
+                compat.as_bytes(name) for name in self.list_function_names())
+        return set_server_def(self, *args, **kwargs)
+
+    context.Context.set_server_def = set_server_def_after_noting_the_functions
+    import atexit
+
+    atexit.register(_no_removals_after_exit)
+
+
+def _no_removals_after_exit():
+    from tensorflow.python.eager.polymorphic_function import atomic_function
+
+    def __del__(function):  # noqa: N807 - the method it replaces
+        pass
+
+    atomic_function.AtomicFunction.__del__ = __del__
 
 
 def connected() -> bool:

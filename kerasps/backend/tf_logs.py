@@ -32,6 +32,15 @@ unless `KERASPS_TF_LOGS=1`:
   lines ("ParameterServerStrategy is now connecting to cluster ...", "Waiting for all
   global closures to be finished") reached programs that log at INFO and every notebook.
 
+A program that made a strategy also keeps from its console the messages TensorFlow prints
+about a failure kerasps handles (`keep_fault_detail()`): its coordinator's `ERROR:tensorflow:
+Remote function on worker ... failed with UnavailableError()` blocks (gRPC messages nested
+in each other, `Detected at node` stacks) and the tracebacks of its executors freed after a
+task was lost (`Exception ignored in: <function Executor.__del__ ...>`, `AbortedError: Unable
+to find a context_id`). They go to a file, `detail_file()`, which kerasps' own lines about
+the failure name (`detail_note()`); kerasps says in a few lines what was lost, what it does
+and how long it took.
+
 With `KERASPS_TF_LOGS=1`, kerasps changes none of this (`kerasps launch` also keeps the
 start-up lines in its tasks' output, as with `--tf-logs`).
 
@@ -54,12 +63,14 @@ import threading
 
 from kerasps.backend import imports
 
-__all__ = ["ENV", "LEVEL_ENV", "QUIET_LEVEL", "wanted", "quiet", "is_start_up_noise",
-           "set_min_log_level", "launched_environment"]
+__all__ = ["ENV", "LEVEL_ENV", "QUIET_LEVEL", "FILE_ENV", "wanted", "quiet", "is_start_up_noise",
+           "set_min_log_level", "launched_environment", "detail_file", "detail_note",
+           "write_detail", "keep_fault_detail"]
 
 ENV = "KERASPS_TF_LOGS"  # "1": TensorFlow's lines as TensorFlow prints them
 LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
 QUIET_LEVEL = "3"  # FATAL only: the cuInit and "Failed to remove function" lines are ERRORs
+FILE_ENV = "KERASPS_TF_LOG_FILE"  # where TensorFlow's messages about failures go
 
 # An absl/glog line (`I0000 00:00:1795612757.656668   20893 port.cc:153] ...`) from one of
 # the sources TensorFlow prints from at start-up.
@@ -160,6 +171,76 @@ def _drop_session_config_dumps():
     logger = logging.getLogger("absl")
     if not any(isinstance(f, _NoSessionConfig) for f in logger.filters):
         logger.addFilter(_NoSessionConfig())
+
+
+# -- TensorFlow's messages about a failure kerasps handles -------------------------------------
+# The modules of TensorFlow's coordinator, whose records are about failures it handles (a
+# function run again, a worker found failed, closures cancelled) or say why a call failed,
+# which the call's own error says too.
+_FAULT_SOURCES = re.compile(r"[/\\]distribute[/\\](coordinator|failure_handling)[/\\]")
+_DETAIL_LOCK = threading.Lock()
+_detail = None  # the open detail file
+
+
+def detail_file(environ=None) -> str:
+    """The file TensorFlow's messages about failures go to: `KERASPS_TF_LOG_FILE`, else
+    `kerasps-<task>-<pid>.tf.log` in the temporary directory (`<task>` under `kerasps
+    launch`: `chief-0`)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(FILE_ENV):
+        return environ[FILE_ENV]
+    task = environ.get("KERASPS_TASK", "").replace(" ", "-")
+    name = f"kerasps-{task + '-' if task else ''}{os.getpid()}.tf.log"
+    return os.path.join(tempfile.gettempdir(), name)
+
+
+def write_detail(text: str) -> bool:
+    """Appends `text` (one message, a line or more) to `detail_file()`; returns whether it
+    could."""
+    global _detail
+    with _DETAIL_LOCK:
+        try:
+            path = detail_file()
+            if _detail is None or _detail.name != path:
+                if _detail is not None:
+                    _detail.close()
+                _detail = open(path, "a", encoding="utf-8", errors="replace")
+            _detail.write(text.rstrip("\n") + "\n")
+            _detail.flush()
+            return True
+        except (OSError, ValueError):
+            return False
+
+
+def detail_note() -> str:
+    """What kerasps' line about a failure adds: where TensorFlow's messages are ("" with
+    `KERASPS_TF_LOGS=1`: they are printed)."""
+    if wanted():
+        return ""
+    return f" TensorFlow's messages: {detail_file()}."
+
+
+class _FaultDetail(logging.Filter):
+    """On the `tensorflow` logger: a record of TensorFlow's coordinator goes to
+    `detail_file()`, not to the console."""
+
+    _format = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def filter(self, record):
+        if not _FAULT_SOURCES.search(record.pathname or ""):
+            return True
+        return not write_detail(self._format.format(record))
+
+
+def keep_fault_detail(environ=None):
+    """Sends TensorFlow's messages about the failures kerasps handles to `detail_file()`
+    instead of the console (see the module docstring), unless `KERASPS_TF_LOGS=1`
+    (idempotent). A strategy calls it when it is made."""
+    if wanted(environ):
+        return
+    logger = logging.getLogger("tensorflow")
+    if not any(isinstance(f, _FaultDetail) for f in logger.filters):
+        logger.addFilter(_FaultDetail())
 
 
 # -- the start-up lines, while `tensorflow` is imported ----------------------------------------

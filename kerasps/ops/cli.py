@@ -230,12 +230,14 @@ def main(argv=None) -> int:
     # package): `kerasps.backend.tf_logs`; KERASPS_TF_LOGS=1 shows them.
     args = parser().parse_args(argv)
     if args.command == "demo":
-        from kerasps.ops import demo
+        from kerasps.ops import console, demo
 
         try:
-            demo.run(demo.DemoConfig(workers=args.workers, ps=args.ps, epochs=args.epochs,
-                                     steps_per_epoch=args.steps_per_epoch,
-                                     placement=args.placement, verbose=args.verbose))
+            with console.plain_stdout():  # to a file or a pipe: plain lines, as `launch`
+                demo.run(demo.DemoConfig(workers=args.workers, ps=args.ps,
+                                         epochs=args.epochs,
+                                         steps_per_epoch=args.steps_per_epoch,
+                                         placement=args.placement, verbose=args.verbose))
         except KeyboardInterrupt:
             return _interrupted("kerasps demo")
     elif args.command == "launch":

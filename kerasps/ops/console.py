@@ -37,13 +37,16 @@ Pure Python: importing this module does not import TensorFlow.
 from __future__ import annotations
 
 import codecs
+import contextlib
+import io
 import os
 import re
+import sys
 import threading
 
 from kerasps.backend.tf_logs import is_start_up_noise
 
-__all__ = ["Console", "Stream", "is_start_up_noise", "plain"]
+__all__ = ["Console", "PlainLines", "Stream", "is_start_up_noise", "plain", "plain_stdout"]
 
 _CLEAR_LINE = "\x1b[K"  # erase from the cursor to the end of the line
 _VISIBLE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]|.", re.DOTALL)  # an escape sequence, or a character
@@ -223,3 +226,70 @@ class Console:
                 room -= 1
             pieces.append(match.group())
         return text
+
+
+class PlainLines(io.TextIOBase):
+    """A text stream that passes to `out` complete lines only, as `Console` writes them
+    to a file: a line redrawn with carriage returns and backspaces (a Keras progress bar)
+    once, as last drawn, when its newline comes, and no escape sequences (`plain`).
+    `finish()` writes the unfinished line, if any."""
+
+    def __init__(self, out):
+        super().__init__()
+        self._out = out
+        self._stream = Stream()
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._write(self._stream.feed(text.encode("utf-8")))
+        return len(text)
+
+    def finish(self):
+        with self._lock:
+            self._write(self._stream.feed(b"", final=True))
+
+    def _write(self, lines):
+        if lines:
+            self._out.write("".join(plain(line) + "\n" for line in lines))
+            self._out.flush()
+
+    def flush(self):
+        self._out.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._out.fileno()
+
+    @property
+    def encoding(self):
+        return getattr(self._out, "encoding", "utf-8")
+
+
+@contextlib.contextmanager
+def plain_stdout():
+    """`sys.stdout` a `PlainLines` while the block runs, unless it is a terminal: a
+    program's output to a file or a pipe (`kerasps demo > log`) has the lines a terminal
+    shows, without Keras' colours, carriage returns and backspaces (Keras redraws its
+    progress bar whatever its output is)."""
+    out = sys.stdout
+    try:
+        terminal = out is None or out.isatty()
+    except (AttributeError, ValueError):
+        terminal = False
+    if terminal:
+        yield
+        return
+    sys.stdout = lines = PlainLines(out)
+    try:
+        yield
+    finally:
+        try:
+            lines.finish()
+        finally:
+            sys.stdout = out

@@ -44,7 +44,7 @@ import time
 import h5py
 import tensorflow as tf
 
-from kerasps.backend import _keras, _tf
+from kerasps.backend import _keras, _tf, tf_logs
 from kerasps.keras.trainer.steps import forget_step_functions
 from kerasps.policy import failures
 from kerasps.policy.failures import Progress, PsTaskFailedError, Recovery
@@ -210,8 +210,8 @@ def recover(error, model, backup: Backup | None, epoch: int, finished: int,
         restart_training_input(model)
         return Progress(epoch, finished)
     _log.warning("ps task(s) %s lost their variables at epoch %d step %d; restoring the latest "
-                 "backup once they answer again.", ", ".join(map(str, lost)), epoch + 1,
-                 finished)
+                 "backup once they answer again.%s", ", ".join(map(str, lost)), epoch + 1,
+                 finished, tf_logs.detail_note())
     start = time.monotonic()
     progress = restore_lost_state(model, backup, lost)
     rerun = failures.steps_rolled_back(progress, epoch, finished, scheduled)
