@@ -270,8 +270,11 @@ class SyncSteps:
             return _keras.reduce_per_replica(outputs, strategy, reduction="auto")
 
         cache = step_functions(model)
+        # Without backup workers every row update is applied before its step: none is
+        # stale, and `fit` logs no `staleness` (`staleness.meaningless`), so none is counted.
         counter = staleness.counter(model, cache) if (
-            strategy.consistency.hybrid and staleness.measuring(model)) else None
+            strategy.consistency.hybrid and staleness.measuring(model)
+            and strategy.backup_workers) else None
         return cls(coordinator, model.optimizer, step, cache=cache, counter=counter)
 
     def _launch(self, step, worker, args, with_logs):
