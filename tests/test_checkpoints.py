@@ -1,9 +1,11 @@
 """Saved state never depends on the number of shards: weights, optimizer slots, exports."""
 
 import contextlib
+import gc
 import re
 import subprocess
 import sys
+import weakref
 
 import keras
 import numpy as np
@@ -429,3 +431,46 @@ def test_export_and_keras_file_of_a_sharded_model_serve_without_kerasps(trained,
     served, loaded = np.load(tmp_path / "out.npy")
     np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loaded, expected, rtol=1e-5, atol=1e-6)
+
+
+# -- Saving many times ---------------------------------------------------------------------
+
+def ps_variables(strategy):
+    """What the ps tasks hold: the placement report's (name, ps task) pairs, and the live
+    `tf.Variable`s of this process that sit on a ps task."""
+    gc.collect()
+    live = {id(variable): weakref.ref(variable) for variable in gc.get_objects()
+            if isinstance(variable, tf.Variable) and "/job:ps/" in getattr(variable, "device", "")}
+    return sorted((r.name, r.ps_task) for r in strategy.placement_report()), live
+
+
+def test_the_ps_tasks_hold_the_same_variables_after_the_100th_save_as_after_the_first(
+        make_strategy, tmp_path):
+    """Every save and load of a backup or checkpoint walks the model's saveables; none may
+    leave a variable on a ps task. Keras made a reference `Optimizer(1.0)` in each walk (its
+    cache of the attributes to skip never hit), whose `iteration` and `learning_rate`
+    landed on a ps task under the strategy: `optimizer_N/...` grew by two per save."""
+    strategy = two_shards(make_strategy)
+    model = build_under(strategy)
+    ids, labels = BATCHES[0]
+
+    def dataset_fn(_):
+        return tf.data.Dataset.from_tensors((ids, labels)).repeat()
+
+    def fit(steps, epochs=1):
+        model.fit(kerasps.DatasetCreator(dataset_fn), epochs=epochs, steps_per_epoch=steps,
+                  verbose=0, callbacks=[
+                      keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=1),
+                      keras.callbacks.ModelCheckpoint(str(tmp_path / "{epoch}.weights.h5"),
+                                                      save_weights_only=True)])
+
+    fit(steps=1)
+    after_first = ps_variables(strategy)
+    fit(steps=25, epochs=4)  # 100 backups, 4 checkpoints, a restore at the start
+    model.load_weights(str(tmp_path / "4.weights.h5"))
+    after_many = ps_variables(strategy)
+    assert after_many[0] == after_first[0]
+    assert not [name for name, _ in after_many[0] if name.startswith("optimizer_")]
+    made_since = [ref().name for key, ref in after_many[1].items()
+                  if key not in after_first[1] or after_first[1][key]() is not ref()]
+    assert not made_since

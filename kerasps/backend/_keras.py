@@ -29,6 +29,9 @@ Seams (see `SEAMS`):
     saved before any training) restores those and no slots.
   * `saving_lib._load_state` (and `Variable.assign`): loading a weights file into
     a kerasps model checks every variable's shape before assigning any.
+  * `saving_lib.get_attr_skipset`: what a save skips is listed once per process, on
+    objects made outside any strategy (Keras made a reference optimizer, on a ps task,
+    at every save).
   * `Layer.get_weights/set_weights`: whole variables; `Model.export`: a
     single-process copy is exported.
   * `TFOptimizer.__init__`: `iterations` and the learning rate on one ps task.
@@ -849,6 +852,42 @@ def load_weights_file_all_or_nothing(saveable, weights_store, assets_store, inne
                     skip_mismatch, visited_saveables, failed_saveables, error_msgs)
 
 
+_skipsets: dict = {}  # a saveable's kind ("Optimizer", "Layer" ...) -> attributes saves skip
+_skipsets_lock = threading.Lock()
+
+
+def attr_skipset_made_once(obj_type):
+    """Replaces `keras.src.saving.saving_lib.get_attr_skipset`: made once, outside any scope.
+
+    A save or load walks the model's saveables, skipping the attributes that a plain
+    object of the kind has: Keras makes a reference object to list them
+    (`Optimizer(1.0)`, `Layer()`, `Metric()` ...) and means to keep the set, but stores
+    it under another name than it reads (Keras 3.15: `saving_attr_skipset_` against
+    `saving_attr_skiplist_`), so every save and load made new ones. Under a kerasps
+    strategy the reference optimizer's `iteration` and `learning_rate` were made on a
+    ps task at each `BackupAndRestore` or `ModelCheckpoint` save (`optimizer_N/...` in
+    the placement report, N growing with the saves). Each set is made once per process,
+    in a thread of its own, where no strategy's scope is entered: nothing is placed.
+    """
+    with _skipsets_lock:
+        if obj_type not in _skipsets:
+            original, made = _keras_original(saving_lib, "get_attr_skipset"), []
+
+            def make():
+                try:
+                    made.append(original(obj_type))
+                except Exception as error:  # Keras' error for an unknown kind: raised here
+                    made.append(error)
+
+            thread = threading.Thread(target=make, name="kerasps-saving-skipset")
+            thread.start()
+            thread.join()
+            if isinstance(made[0], Exception):
+                raise made[0]
+            _skipsets[obj_type] = made[0]
+        return _skipsets[obj_type]
+
+
 def _whole_weights(layer):
     """A layer's whole variables where it holds shards, else `None`."""
     weights = layer.weights
@@ -1255,6 +1294,7 @@ SEAMS = (
     Seam(_TFOptimizer, "load_own_variables", load_optimizer_whole_variables),
     Seam(_TFOptimizer, "_trackable_children", checkpoint_optimizer_whole_variables),
     Seam(saving_lib, "_load_state", load_weights_file_all_or_nothing),
+    Seam(saving_lib, "get_attr_skipset", attr_skipset_made_once),
     Seam(Layer, "get_weights", get_whole_weights),
     Seam(Layer, "set_weights", set_whole_weights),
     Seam(Model, "export", export_single_process_copy),
