@@ -177,7 +177,7 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
 
     ```python
     strategy = kerasps.ParameterServerStrategy(
-        kerasps.cluster.in_process(num_workers=2, num_ps=2),
+        kerasps.cluster.resolve(num_workers=2, num_ps=2),
         variable_partitioner=kerasps.partitioners.MinSizePartitioner(
             min_shard_bytes=256 << 10, max_shards=2),
         placement="greedy")
@@ -195,7 +195,8 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
             `TF_CONFIG` names: `kerasps launch`, Kubernetes), or
             `kerasps.cluster.resolve` (the cluster `TF_CONFIG` names where it
             is set, an in-process one elsewhere: one script runs both ways).
-            `in_process` warns where `TF_CONFIG` is set.
+            `in_process` raises in a task of a `kerasps launch` job and warns
+            where another `TF_CONFIG` is set.
         variable_partitioner: a `kerasps.partitioners.Partitioner` (or any
             callable `(shape, dtype) -> partitions` in TensorFlow's format);
             `None` keeps every variable whole.

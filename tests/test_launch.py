@@ -664,29 +664,35 @@ IN_PROCESS_CHIEF = """
     import json
     import kerasps
 
-    kerasps.cluster.in_process(num_workers=1, num_ps=1)  # the README's line, as it is
+    try:
+        kerasps.cluster.in_process(num_workers=1, num_ps=1)  # the README's line, as it is
+    except RuntimeError as error:
+        print("refused", str(error), flush=True)
     resolver = kerasps.cluster.resolve(num_workers=1, num_ps=1)
     print("resolved", json.dumps(resolver.cluster_spec().as_dict()), flush=True)
 """
 
 
 @pytest.mark.slow
-def test_a_launched_chief_that_starts_an_in_process_cluster_is_told_and_resolve_finds_the_job(
+def test_a_launched_chief_that_starts_an_in_process_cluster_is_stopped_and_resolve_finds_the_job(
         tmp_path):
     """`kerasps.cluster.in_process()` in a launched chief trained on a cluster of its own
-    while the launched servers sat idle, with no word: it warns, naming
-    `from_tf_config()` and `resolve()`; `resolve()` gives the launched cluster."""
+    while the launched servers sat idle, with no word: it raises, naming
+    `from_tf_config()` and `resolve()`, before starting any server; `resolve()` gives the
+    launched cluster."""
     job = launch_job(tmp_path, IN_PROCESS_CHIEF, "--workers", "1")
     try:
         assert job.finish() == 0, job.output()
     finally:
         job.close()
-    warning = [line for line in job.lines if "UserWarning" in line]
-    assert len(warning) == 1 and warning[0].startswith("[chief 0] "), job.output()
+    refused = job.wait_for(r"^\[chief 0\] refused (.*)$").group(1)
     assert ("kerasps.cluster.in_process() was called in chief 0 of a `kerasps launch` job"
-            in warning[0]), warning
-    assert "kerasps.cluster.from_tf_config()" in warning[0], warning
-    assert "kerasps.cluster.resolve(" in warning[0], warning
+            in refused), refused
+    assert "started no cluster" in refused, refused
+    assert "kerasps.cluster.from_tf_config()" in refused, refused
+    assert "kerasps.cluster.resolve(" in refused, refused
+    assert "under_launch='allow'" in refused, refused
+    assert not [line for line in job.lines if "UserWarning" in line], job.output()
     launched = {task: address for task, address in
                 (re.search(r"started (\w+ \d) at (\S+) ", line).groups() for line in job.lines
                  if re.search(r"^\[launcher\] started \w+ \d at ", line))}
