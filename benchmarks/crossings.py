@@ -14,6 +14,7 @@ every step but the first of an execution), per worker:
     python benchmarks/crossings.py --optimizer adam --json
     python benchmarks/crossings.py --logs           # with a callback reading batch logs
     python benchmarks/crossings.py --gradients-apart  # each gradient crosses on its own
+    python benchmarks/crossings.py --quick          # a smoke run: a 20,000-row table
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def step_crossings(dump_dir: str) -> list[dict]:
     return per_worker[min(per_worker)] if per_worker else []
 
 
-def child(optimizer: str, dump_dir: str, logs: str = "no", gradients: str = "together"):
+def child(optimizer: str, dump_dir: str, logs: str = "no", gradients: str = "together",
+          vocab: str = "200000"):
     sys.path.insert(0, HERE)
     import embedding_scaling as es
     import keras
@@ -92,7 +94,7 @@ def child(optimizer: str, dump_dir: str, logs: str = "no", gradients: str = "tog
     if gradients == "apart":  # as before the small gradients of a ps task were packed
         _keras.PACKED_GRADIENT_BYTES = 0
 
-    vocab = 200_000
+    vocab = int(vocab)
     strategy = es.kerasps_strategy(kerasps.cluster.in_process(num_workers=2, num_ps=2),
                                    optimizer, num_ps=2)
     with strategy.scope():
@@ -108,7 +110,7 @@ def child(optimizer: str, dump_dir: str, logs: str = "no", gradients: str = "tog
 
 
 def measure(optimizer: str = "sgd", logs: bool = False, gradients_apart: bool = False,
-            timeout: float = 600) -> list[dict]:
+            timeout: float = 600, vocab: int = 200_000) -> list[dict]:
     """Runs `child` in a fresh process (TensorFlow reads the dump settings once) and
     returns its crossings; with `logs`, those of the function that returns the logs
     (run for every execution when a callback reads batch logs); with
@@ -118,7 +120,7 @@ def measure(optimizer: str = "sgd", logs: bool = False, gradients_apart: bool = 
                    TF_DUMP_GRAPH_GROUPS="main", TF_CPP_MIN_LOG_LEVEL="2")
         done = subprocess.run([sys.executable, __file__, "--child", optimizer, dump_dir,
                                "logs" if logs else "no",
-                               "apart" if gradients_apart else "together"],
+                               "apart" if gradients_apart else "together", str(vocab)],
                               env=env, capture_output=True, text=True, timeout=timeout)
         for line in done.stdout.splitlines():
             if line.startswith(RESULT):
@@ -145,11 +147,15 @@ def main(argv=None):
     parser.add_argument("--gradients-apart", action="store_true",
                         help="each gradient crosses on its own (as before they were packed)")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: a 20,000-row table (2 shards still; the same "
+                             "tensors cross)")
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return child(*args.child)
-    crossings = measure(args.optimizer, args.logs, args.gradients_apart)
+    crossings = measure(args.optimizer, args.logs, args.gradients_apart,
+                        vocab=20_000 if args.quick else 200_000)
     print(json.dumps(crossings) if args.json else table(crossings))
 
 

@@ -53,6 +53,11 @@ TABLES = ("dynamic", "hashed", "unbounded")
 NUM_WORKERS = 2
 NUM_PS = 2
 MEMORY_BASELINE_ROWS = 1024
+# --quick: every part, at sizes that take seconds (the same code paths).
+QUICK = {"rows": [1e3], "examples": 1e4, "distinct": 4e3, "window": 1.5e3, "chunk": 2048,
+         "tables": ["dynamic", "hashed"], "batch": 64, "speed_rows": 1e3, "steps": 20,
+         "warmup": 10, "repeats": 1, "memory_rows": 4096, "memory_ids": 2e4,
+         "memory_batch": 512}
 
 
 def _stream(args):
@@ -335,8 +340,11 @@ def run_faults(args):
         code = process.wait()
     result = next((eval(line.split("RESULT ", 1)[1]) for line in lines if "RESULT " in line),
                   None)
-    return {"part": "faults", "exit": code, "killed": killed_at, "result": result,
-            "tail": lines[-5:] if result is None else []}
+    record = {"part": "faults", "exit": code, "killed": killed_at, "result": result,
+              "tail": lines[-5:] if result is None else []}
+    if code != 0 or result is None:
+        record["error"] = f"exit {code}:\n" + "\n".join(lines[-15:])
+    return record
 
 
 # -- orchestration ----------------------------------------------------------------------
@@ -504,7 +512,15 @@ def main(argv=None):
     parser.add_argument("--memory-batch", type=int, default=4096)
     parser.add_argument("--nice", type=int, default=5)
     parser.add_argument("--json", help="also write all results to this file")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: every part at a tiny size (a 1,000-row table, "
+                             "10,000 clicks; dynamic and hashed; one speed repeat; the "
+                             "memory run without its baseline)")
     args = parser.parse_args(argv)
+    if args.quick:
+        for name, value in QUICK.items():
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
 
     if args.one:
         part, table, rows = args.one[0], args.one[1], int(float(args.one[2]))
@@ -545,7 +561,8 @@ def main(argv=None):
                 note(_child(args, "speed", table, int(args.speed_rows)))
     if "memory" in args.parts:
         # The same run with a table of 1,024 rows: what the process takes besides the table.
-        for rows in (MEMORY_BASELINE_ROWS, int(args.memory_rows)):
+        for rows in ((MEMORY_BASELINE_ROWS,) if not args.quick else ()) + (
+                int(args.memory_rows),):
             note(_child(args, "memory", "-", rows, timeout=7200))
     if "faults" in args.parts:
         note(run_faults(args))

@@ -26,11 +26,13 @@ before the kill.
     pip install -e .[bench]
     python benchmarks/faults.py              # 5 runs per scenario, a Markdown table
     python benchmarks/faults.py --runs 1 --scenarios ps_killed --systems kerasps
+    python benchmarks/faults.py --quick      # a smoke run: 1 run of ps_killed per system
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -252,10 +254,21 @@ def table(results) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--runs", type=int, default=None, help="default 5 (1 with --quick)")
+    parser.add_argument("--scenarios", default=None,
+                        help="comma-separated (default all; ps_killed with --quick)")
+    parser.add_argument("--systems", default=None, help="comma-separated (default all)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: 1 run of ps_killed per system; fails unless "
+                             "kerasps finished it")
+    parser.add_argument("--no-anchor", action="store_true",
+                        help="no tf_keras runs (the default when tf_keras is not installed)")
     args = parser.parse_args(argv)
+    args.runs = args.runs or (1 if args.quick else 5)
+    args.scenarios = args.scenarios or ("ps_killed" if args.quick else ",".join(SCENARIOS))
+    if args.systems is None:
+        anchor = not args.no_anchor and importlib.util.find_spec("tf_keras") is not None
+        args.systems = ",".join(s for s in SYSTEMS if anchor or s != "tf_keras")
     results = []
     for _ in range(args.runs):
         for scenario in args.scenarios.split(","):
@@ -264,7 +277,10 @@ def main(argv=None):
                 print(json.dumps(result), flush=True)
                 results.append(result)
     print(table(results))
+    if args.quick and not all(r["finished"] for r in results if r["system"] == "kerasps"):
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -22,6 +22,7 @@ one thing off by monkeypatching (they measure; they are not supported modes):
     python benchmarks/fit_overhead.py                       # every variant, spe 1 and 10
     python benchmarks/fit_overhead.py --one kerasps --spe 10  # one JSON line
     python benchmarks/fit_overhead.py --paired base,no_staleness,unrolled --spe 10
+    python benchmarks/fit_overhead.py --quick    # a smoke run: kerasps and keras3, spe 1
 
 `--paired` compares variants of the scheduled training function in one
 process, alternating them run by run (load on a shared machine drifts too much
@@ -251,14 +252,23 @@ def paired(spe, steps, fits, variants):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--one", choices=VARIANTS)
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    parser.add_argument("--spe", type=int, nargs="+", default=[1, 10])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--fits", type=int, default=5, help="timed fits per process")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=None,
+                        help="default all (kerasps and keras3 with --quick)")
+    parser.add_argument("--spe", type=int, nargs="+", default=None,
+                        help="default 1 10 (1 with --quick)")
+    parser.add_argument("--steps", type=int, default=None, help="default 200 (20 with --quick)")
+    parser.add_argument("--fits", type=int, default=None,
+                        help="timed fits per process (default 5; 1 with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: kerasps and keras3, spe 1, one timed fit of 20 steps")
     parser.add_argument("--repeats", type=int, default=1, help="processes per variant")
     parser.add_argument("--paired", help="comma-separated training-function variants")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    args.variants = args.variants or (["kerasps", "keras3"] if args.quick else list(VARIANTS))
+    args.spe = args.spe or ([1] if args.quick else [1, 10])
+    args.steps = args.steps or (20 if args.quick else 200)
+    args.fits = args.fits or (1 if args.quick else 5)
     if args.paired:
         for spe in args.spe:
             for name, record in paired(spe, args.steps, args.fits,
@@ -272,7 +282,7 @@ def main(argv=None):
         print(PREFIX + json.dumps({"variant": args.one, "spe": args.spe[0], **record}),
               flush=True)
         return 0
-    results = []
+    results, failed = [], 0
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     for repeat in range(args.repeats):
         for spe in args.spe:
@@ -283,6 +293,7 @@ def main(argv=None):
                 lines = [line for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
                 if not lines:
                     print(f"{variant} spe={spe} FAILED:\n{proc.stderr[-2000:]}", flush=True)
+                    failed += 1
                     continue
                 record = json.loads(lines[-1][len(PREFIX):])
                 results.append(record)
@@ -295,7 +306,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -26,10 +26,10 @@ one timed `fit` of `--steps` steps; steps/s is `steps / wall time of fit`.
 
     pip install -e .[bench]
     python benchmarks/fit_throughput.py            # full run, prints a Markdown table
-    python benchmarks/fit_throughput.py --quick    # smoke run
+    python benchmarks/fit_throughput.py --quick    # smoke run: spe 1, tf_keras, kerasps, +callback
     python benchmarks/fit_throughput.py --one kerasps --spe 10   # one JSON line
 
-Targets (issue 7), at both settings: kerasps / tf_keras >= 1.0 on whole `fit`
+Targets, at both settings: kerasps / tf_keras >= 1.0 on whole `fit`
 calls and >= 1.2 on the training loop alone (`on_train_begin` to
 `on_train_end`); CPU ms per step is reported next to them.
 """
@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import statistics
@@ -367,28 +368,37 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--one", choices=CONFIGS,
                         help="run one configuration in this process and print a JSON line")
-    parser.add_argument("--spe", type=int, nargs="+", default=[1, 10],
-                        help="steps_per_execution values (default: 1 10)")
+    parser.add_argument("--spe", type=int, nargs="+", default=None,
+                        help="steps_per_execution values (default: 1 10; 1 with --quick)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 200)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="warm-up steps (default: max(20, 4 * spe))")
     parser.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --quick)")
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
-    parser.add_argument("--quick", action="store_true", help="smoke run: 40 steps, 1 repeat")
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=None,
+                        help="default all (tf_keras, kerasps, kerasps+callback with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 20 steps, 1 repeat, spe 1, three configurations")
+    parser.add_argument("--no-anchor", action="store_true",
+                        help="no tf_keras row (the default when tf_keras is not installed)")
     parser.add_argument("--timeout", type=float, default=600, help="per-run timeout (s)")
     parser.add_argument("--json", help="also write all results and medians to this file")
     parser.add_argument("--report", metavar="JSON",
                         help="print the table of a run saved with --json, without running")
     args = parser.parse_args(argv)
 
-    steps = args.steps or (40 if args.quick else 200)
+    steps = args.steps or (20 if args.quick else 200)
     repeats = args.repeats or (1 if args.quick else 3)
+    args.spe = args.spe or ([1] if args.quick else [1, 10])
+    args.configs = args.configs or (["tf_keras", "kerasps", "kerasps+callback"] if args.quick
+                                    else list(CONFIGS))
+    if args.no_anchor or importlib.util.find_spec("tf_keras") is None:
+        args.configs = [c for c in args.configs if c != ANCHOR]
 
     if args.one:
         if len(args.spe) != 1:
             parser.error("--one takes a single --spe value")
         spe = args.spe[0]
-        warmup = args.warmup or max(20, 4 * spe)
+        warmup = args.warmup or (10 if args.quick else max(20, 4 * spe))
         record = run_one(args.one, spe, steps, warmup)
         print(RESULT_PREFIX + json.dumps(record), flush=True)
         return 0
@@ -402,7 +412,7 @@ def main(argv=None):
         return 0
 
     meta = {"versions": _versions(), "nproc": _nproc(), "steps": steps, "repeats": repeats,
-            "warmup": args.warmup or "max(20, 4*spe)", "python": sys.version.split()[0],
+            "warmup": args.warmup or (10 if args.quick else "max(20, 4*spe)"), "python": sys.version.split()[0],
             "load_before": _loadavg()}
     print(f"# fit_throughput: {NUM_WORKERS} workers, {NUM_PS} ps; versions {meta['versions']}; "
           f"nproc {meta['nproc']}", flush=True)
@@ -411,7 +421,7 @@ def main(argv=None):
     for repeat in range(repeats):
         order = plan if repeat % 2 == 0 else plan[::-1]
         for config, spe in order:
-            warmup = args.warmup or max(20, 4 * spe)
+            warmup = args.warmup or (10 if args.quick else max(20, 4 * spe))
             record = _child(config, spe, steps, warmup, args.timeout)
             record["repeat"] = repeat
             results.append(record)

@@ -1,5 +1,5 @@
 """Hybrid training on a synthetic CTR task: async, sync, sync + 1 backup and hybrid, with a
-straggler, measured and as the simulator predicts them (issue 33).
+straggler, measured and as the simulator predicts them.
 
 An in-process cluster of 4 workers and 1 ps task trains a click model: 8 ids per
 example drawn from a Zipf law (exponent 1.1) over a 100,000 x 16 `Embedding` table
@@ -40,7 +40,7 @@ its own predictions, and the table has the means.
 
     python benchmarks/hybrid.py               # about 4 min on 2 cores
     python benchmarks/hybrid.py --repeats 3   # every mode 3 times, the means
-    python benchmarks/hybrid.py --quick       # a smoke run
+    python benchmarks/hybrid.py --quick       # a smoke run: 96 gradients, no probe
     python benchmarks/hybrid.py --plot docs/hybrid_auc.png --json benchmarks/records/...
 """
 
@@ -64,6 +64,7 @@ from dynamic_embedding import auc  # noqa: E402  (one AUC for the benchmarks)
 WORKERS = 4
 BATCH = 256
 ROWS = 100_000
+QUICK_DELAY = 0.1  # seconds worker 0's batches are held back in a --quick run
 DIM = 16
 IDS = 8
 FEATURES = 8
@@ -463,7 +464,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=None,
                         help="gradients applied per mode, in worker steps (960)")
     parser.add_argument("--epochs", type=int, default=None, help="AUC points (4)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 96 gradients")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a smoke run: 96 gradients per mode in 2 epochs, worker 0 held "
+                             f"back {1000 * QUICK_DELAY:.0f} ms per batch (no probe run)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--plot", help="write the AUC against wall time figure (PNG)")
     parser.add_argument("--trace", help="with --one: write the run's trace CSV here")
@@ -481,12 +484,16 @@ def main(argv=None):
 
     began = time.perf_counter()
     folder = tempfile.mkdtemp(prefix="hybrid-")
-    probe = _child(args, "sync", 0, 0.0, max(32, args.steps // WORKERS // 2))
-    delay = 3 / probe["steps_per_s"]
+    if args.quick:  # no probe: a fixed delay
+        probe, delay = None, QUICK_DELAY
+    else:
+        probe = _child(args, "sync", 0, 0.0, max(32, args.steps // WORKERS // 2))
+        delay = 3 / probe["steps_per_s"]
     ncores = cores()
     print(f"# hybrid: {WORKERS} workers, 1 ps, batch {BATCH}, Zipf({ZIPF}) ids over "
-          f"{ROWS:,} x {DIM} rows, {ncores} cores; probe sync {probe['steps_per_s']:.1f} "
-          f"steps/s, worker 0 held back {1000 * delay:.0f} ms per batch; traces in {folder}",
+          f"{ROWS:,} x {DIM} rows, {ncores} cores; "
+          + (f"probe sync {probe['steps_per_s']:.1f} steps/s, " if probe else "")
+          + f"worker 0 held back {1000 * delay:.0f} ms per batch; traces in {folder}",
           flush=True)
     repeats, loads = [], []
     for repeat in range(args.repeats):

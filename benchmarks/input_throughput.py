@@ -11,7 +11,7 @@ loop alone (from each epoch's first finished step to its last, so job setup
 is excluded) and over the whole `fit` call, CPU seconds of the process per
 step, and the exactly-once / per-worker ratio.
 
-Visits: the measure of issue 9. Each example carries an id; a zero-initialised
+Visits: does each example train exactly once per epoch? Each example carries an id; a zero-initialised
 `Embedding(4096, 1)` trained with SGD(lr=1) on the sum of its outputs moves an
 id's row by exactly -1 per visit. Three epochs over 4096 ids (batch 64), 3
 workers, 2 ps: how many ids were seen exactly 3 times, fewer, more.
@@ -26,9 +26,11 @@ simulator's prediction of each phase: calibrated on the first phase's trace
 elastic model (`simulator.calibrate.predict_elastic_throughput`).
 
     python benchmarks/input_throughput.py            # ~6 min on 2 cores
-    python benchmarks/input_throughput.py --quick
+    python benchmarks/input_throughput.py --quick    # a smoke run: 1 repeat of 1 short epoch,
+                                                     # the elastic run (1 -> 2 -> 1 workers)
+                                                     # without the fixed pools
 
-Targets (issue 9): exactly-once throughput >= 0.8x per-worker; 0 missed and
+Targets: exactly-once throughput >= 0.8x per-worker; 0 missed and
 0 repeated with exactly_once=True; simulated phase throughput within 15% of
 the measured one.
 """
@@ -45,7 +47,11 @@ import sys
 import time
 
 RESULT = "INPUT_RESULT "
-ROWS, BATCH, VOCAB = 16384, 64, 20000
+# --quick sets this in the environment: its subprocesses (and the launched chiefs, which
+# import this module) read the smaller sizes too.
+QUICK_ENV = "KERASPS_INPUT_BENCHMARK_QUICK"
+QUICK = os.environ.get(QUICK_ENV) == "1"
+ROWS, BATCH, VOCAB = 4096 if QUICK else 16384, 64, 20000
 VISIT_IDS, VISIT_BATCH, VISIT_EPOCHS = 4096, 64, 3
 
 
@@ -187,14 +193,16 @@ def visits():
     return table
 
 
-PHASE_STEPS = 300
+PHASE_STEPS = 60 if QUICK else 300
+# The pool's sizes: LOW, then HIGH, then LOW again (a smoke run: 1 -> 2 -> 1).
+LOW, HIGH = (1, 2) if QUICK else (2, 4)
 
 # The chief of the elastic and fixed launches: argv[1] is the pool size of each phase.
 ELASTIC_CHIEF = f"""
 import json, sys, time
 import keras, tensorflow as tf, kerasps
 sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
-from input_throughput import _examples, _model, BATCH, RESULT
+from input_throughput import _examples, _model, BATCH, PHASE_STEPS, RESULT
 
 phases = json.loads(sys.argv[1])
 strategy = kerasps.ParameterServerStrategy(kerasps.cluster.from_tf_config())
@@ -225,15 +233,15 @@ class Phases(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         done = batch + 1
-        if done % {PHASE_STEPS} == 0:
+        if done % PHASE_STEPS == 0:
             marks.append(time.perf_counter() - self.origin)
-            if done // {PHASE_STEPS} < len(phases):
-                resize(phases[done // {PHASE_STEPS}])
+            if done // PHASE_STEPS < len(phases):
+                resize(phases[done // PHASE_STEPS])
                 marks.append(time.perf_counter() - self.origin)
 
 
 recorder = kerasps.StepTraceRecorder()
-model.fit(data, epochs=1, steps_per_epoch={PHASE_STEPS} * len(phases), verbose=0,
+model.fit(data, epochs=1, steps_per_epoch=PHASE_STEPS * len(phases), verbose=0,
           callbacks=[recorder, Phases()])
 windows = list(zip(marks[::2], marks[1::2]))
 print(RESULT + json.dumps({{"windows": windows, "trace": [
@@ -267,7 +275,7 @@ def elastic_table(repeats):
 
     rows = []
     for _ in range(repeats):
-        run = elastic([2, 4, 2])
+        run = elastic([LOW, HIGH, LOW])
         windows = run["windows"]
         rates = [PHASE_STEPS * BATCH / (end - start) for start, end in windows]
         first = [StepEvent(worker=w, step=i, start=a, end=b, steps=n, kind=k)
@@ -275,8 +283,10 @@ def elastic_table(repeats):
         durations = [end - start for start, end in windows]
         bounds = list(itertools.accumulate(durations))
         predicted = predict_elastic_throughput(
-            first, workers=2, events=[(bounds[0], 2), (bounds[1], -2)], duration=bounds[2])
-        fixed = {n: elastic([n])["windows"][0] for n in (2, 4)}
+            first, workers=LOW, events=[(bounds[0], HIGH - LOW), (bounds[1], LOW - HIGH)],
+            duration=bounds[2])
+        # A smoke run (--quick) leaves out the fixed pools' launches.
+        fixed = {} if QUICK else {n: elastic([n])["windows"][0] for n in (2, 4)}
         rows.append({"measured": rates,
                      "simulated": [p * BATCH for p in predicted],
                      "fixed": {n: PHASE_STEPS * BATCH / (b - a) for n, (a, b) in fixed.items()}})
@@ -295,7 +305,9 @@ def _child(kind, epochs):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 repeat of 1 epoch")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: 1 repeat of 1 epoch of 4096 examples, phases of 60 "
+                             "steps, the elastic run without the fixed pools' runs")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--only", choices=["throughput", "elastic", "visits"],
@@ -306,6 +318,10 @@ def main(argv=None):
         result = throughput(args.epochs) if args.child == "throughput" else visits()
         print(RESULT + json.dumps(result), flush=True)
         return
+    if args.quick and not QUICK:  # again, with the sizes of a smoke run (see QUICK_ENV)
+        env = {**os.environ, QUICK_ENV: "1"}
+        return subprocess.run([sys.executable, os.path.abspath(__file__), *(
+            argv if argv is not None else sys.argv[1:])], env=env, check=False).returncode
     repeats, epochs = (1, 1) if args.quick else (args.repeats, args.epochs)
     for table in ("throughput", "elastic", "visits"):
         if args.only in (None, table):
@@ -336,20 +352,21 @@ def throughput_table(repeats, epochs):
 
 def print_elastic_table(repeats, epochs):
     runs = elastic_table(repeats)
-    print(f"\nElastic: kerasps launch --workers 2:4, 1 ps, {PHASE_STEPS} steps per phase "
+    print(f"\nElastic: kerasps launch --workers {LOW}:{HIGH}, 1 ps, {PHASE_STEPS} steps per phase "
           f"(batch {BATCH}), median of {repeats}")
-    print("| run | 2 workers | 4 workers | 2 workers again |")
+    print(f"| run | {LOW} workers | {HIGH} workers | {LOW} workers again |")
     print("|---|---|---|---|")
 
     def phase(key, i):
         return statistics.median(r[key][i] for r in runs)
 
-    print("| elastic 2 -> 4 -> 2, measured | " + " | ".join(
+    print(f"| elastic {LOW} -> {HIGH} -> {LOW}, measured | " + " | ".join(
         f"{phase('measured', i):.0f}" for i in range(3)) + " |")
     print("| simulator (calibrated on phase 1) | " + " | ".join(
         f"{phase('simulated', i):.0f}" for i in range(3)) + " |")
-    fixed = {n: statistics.median(r["fixed"][n] for r in runs) for n in (2, 4)}
-    print(f"| fixed pools | {fixed[2]:.0f} | {fixed[4]:.0f} | {fixed[2]:.0f} |")
+    if runs[0]["fixed"]:
+        fixed = {n: statistics.median(r["fixed"][n] for r in runs) for n in (2, 4)}
+        print(f"| fixed pools | {fixed[2]:.0f} | {fixed[4]:.0f} | {fixed[2]:.0f} |")
     medians = [phase("simulated", i) / phase("measured", i) - 1 for i in range(3)]
     worst = max(abs(r["simulated"][i] / r["measured"][i] - 1) for r in runs for i in range(3))
     print("simulated / measured - 1 per phase (medians): " + ", ".join(
@@ -367,4 +384,4 @@ def visits_table(repeats, epochs):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,14 +5,14 @@ counters are exactly its traffic): `kerasps serve` in each worker and ps namespa
 chief (this script with `--chief`) in its own, TF_CONFIG naming the namespaces' addresses.
 Needs root.
 
-`bytes` (issue 21 part 2): the embedding workloads of `benchmarks/embedding_scaling.py`
+`bytes`: the embedding workloads of `benchmarks/embedding_scaling.py`
 (Embedding(vocab, 32) in 2 shards over 2 ps tasks, 3 ids per example, Flatten,
 Dense(32), Dense(1), 2 workers, per-worker batch 64, steps_per_execution 10), one `fit`
 per optimizer on the same cluster: the bytes each task sent and received during a timed
 `fit`, per worker-step, against the bound: the touched rows x 32 x 4 B gathered and their
 gradient sent, plus the dense weights read and their gradients sent.
 
-`throughput` (issue 21 part 3): worker-steps/s of an unbalanced dense model (one
+`throughput`: worker-steps/s of an unbalanced dense model (one
 1024x1024 kernel beside smaller ones, so that round_robin puts most bytes on one ps) at
 a given ps link rate and number of workers, against the simulator's prediction.
 
@@ -22,6 +22,8 @@ a given ps link rate and number of workers, against the simulator's prediction.
     sudo python benchmarks/network.py throughput --ps-rate 100mbit --workers 4 --spes 1
     sudo python benchmarks/network.py link --ps-rate 100mbit       # plain TCP, 1/2/4 flows
     sudo python benchmarks/network.py link --ps-rate 100mbit --both-ways   # and as many in
+    python benchmarks/network.py --quick    # a smoke run: `predict` on the committed records,
+                                            # and a 10-step `throughput` run where root can
 
 `link`: the rate plain TCP flows (`benchmarks.netbench.transfer`, 12.5 MB each) reach out
 of one ps task's rate-limited link to 1, 2 and 4 workers at once, with no training: what
@@ -50,6 +52,12 @@ PORT = netbench_cluster.PORT
 RESULT = "NETWORK_RESULT "
 NUM_WORKERS = 2  # unless --workers says otherwise
 BENCH_NAME = "net"
+# The committed records `--quick` predicts from: the latest throughput set and the link runs.
+RECORDS = os.path.join(ROOT, "benchmarks", "records")
+QUICK_THROUGHPUT = "network_throughput_2026-11-26f.jsonl"
+QUICK_LINKS = ("network_link_2026-11-26.jsonl", "network_link_2026-11-26e.jsonl")
+QUICK_CHIEF = ["throughput", "--placements", "greedy", "--spes", "1", "--steps", "10",
+               "--warmup", "4"]
 
 
 # -- the chief (inside its namespace) --------------------------------------------------------
@@ -518,9 +526,32 @@ def bytes_table(records):
     return "\n".join(lines)
 
 
+def quick() -> int:
+    """`--quick`: the prediction table of the committed records, then a tiny measured run
+    where the bench can be built (root, `ip netns`, `tc`)."""
+    records = read_records([os.path.join(RECORDS, QUICK_THROUGHPUT)], "throughput")
+    links = read_records([os.path.join(RECORDS, name) for name in QUICK_LINKS], "link")
+    print(f"# network.py --quick: predict on {QUICK_THROUGHPUT}")
+    print(predict_table(records, ("1gbit", 2, "greedy", 1, NUM_WORKERS), links=links))
+    reason = netbench.available()
+    if reason:
+        print(f"\nnetwork.py --quick: no measured run ({reason})")
+        return 0
+    args = argparse.Namespace(workers=NUM_WORKERS, sysctl=[], timeout=600)
+    print(f"\n# network.py --quick: {' '.join(QUICK_CHIEF)} (2 workers, 2 ps, links 1gbit)",
+          flush=True)
+    measured = run_cluster(args, QUICK_CHIEF, 2, "1gbit")
+    print(f"network.py --quick: {len(measured)} throughput record(s), not written")
+    return 0 if measured else 1
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("bytes", "throughput", "predict", "link"))
+    parser.add_argument("mode", nargs="?", choices=("bytes", "throughput", "predict", "link"))
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run, no mode: `predict` on the committed records, then "
+                             "(with root and `ip netns`) a 10-step `throughput` run of one "
+                             "configuration, written nowhere")
     parser.add_argument("--chief", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--optimizers", nargs="+",
                         default=["sgd", "adagrad", "adam", "lazy_adam"])
@@ -549,6 +580,10 @@ def main(argv=None):
                         help="predict: the configuration the simulator is calibrated on "
                         "(ps link rate, ps tasks, placement, steps_per_execution[, workers])")
     args = parser.parse_args(argv)
+    if args.quick:
+        return quick()
+    if args.mode is None:
+        parser.error("a mode is needed (or --quick)")
     args.steps = args.steps or (200 if args.mode == "bytes" else 60)
 
     if args.mode == "predict":

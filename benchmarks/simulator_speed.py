@@ -34,7 +34,8 @@ def scenario(mode: str, workers: int, steps_per_worker: int) -> simulator.Scenar
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="100 steps per worker")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: 100 steps per worker, targets not checked")
     args = parser.parse_args(argv)
     steps_per_worker = 100 if args.quick else 1000
     print(f"{'mode':<6} {'workers':>8} {'worker-steps':>13} {'wall s':>8} "
@@ -58,6 +59,9 @@ def main(argv=None) -> int:
         verdict = "ok" if ratio < LINEARITY else "NOT LINEAR"
         print(f"{mode}: cost per worker-step at 1000 vs 10 workers: {ratio:.2f}x ({verdict})")
         ok &= ratio < LINEARITY
+    if args.quick:  # runs of a few milliseconds: too short to time, the targets not checked
+        print("quick run: targets not checked")
+        return 0
     return 0 if ok else 1
 
 
