@@ -62,20 +62,21 @@ def stress(session):
     session.run("python", "-m", "pytest", "-m", "stress", *session.posargs)
 
 
+BENCHMARKS = ("fit_throughput", "fit_overhead", "crossings", "embedding_scaling", "faults",
+              "chaos", "soak", "stragglers", "hybrid", "input_throughput", "dynamic_embedding",
+              "keras_rs_tables", "simulator_speed", "calibration")
+
+
 @nox.session(python=PYTHON)
 def benchmarks(session):
-    """The figures in docs/figures.md: kerasps vs tf_keras throughput, embedding scaling, faults,
-    the chaos soak, simulator speed and calibration."""
+    """The figures in docs/figures.md, each benchmark in turn (hours); `nox -s benchmarks --
+    --quick` runs every benchmark's smoke mode instead, as CI's `slow` tests do.
+    `benchmarks/network.py` needs root and network namespaces: run it by hand."""
     session.install(".[bench]")
-    session.run("python", "benchmarks/fit_throughput.py", *session.posargs)
-    session.run("python", "benchmarks/embedding_scaling.py")
-    session.run("python", "benchmarks/embedding_scaling.py", "--scale")
-    session.run("python", "benchmarks/faults.py")
-    session.run("python", "benchmarks/chaos.py")
-    session.run("python", "benchmarks/stragglers.py")
-    session.run("python", "benchmarks/input_throughput.py")
-    session.run("python", "benchmarks/simulator_speed.py")
-    session.run("python", "benchmarks/calibration.py")
+    for name in BENCHMARKS:
+        session.run("python", f"benchmarks/{name}.py", *session.posargs)
+    if "--quick" not in session.posargs:
+        session.run("python", "benchmarks/embedding_scaling.py", "--scale")
 
 
 @nox.session(python=PYTHON)

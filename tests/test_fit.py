@@ -334,6 +334,28 @@ class FailsWorker(keras.callbacks.Callback):
         self.batches[-1].append(batch)
 
 
+def test_evaluate_reads_one_tensor_of_each_scheduled_function(strategy):
+    """TensorFlow keeps a few kilobytes on a worker for every tensor the chief reads from
+    it (docs/limitations.md): an evaluation's functions return their step count, worker
+    and metrics as one tensor, read at once (they were 2 + one per metric)."""
+    from tensorflow.python.util import nest
+
+    from kerasps.backend import _tf
+
+    model = build(strategy, metrics=["mae", ExampleCount])
+    model.fit(kerasps.DatasetCreator(regression_fn), epochs=1, steps_per_epoch=2, verbose=0)
+    read = []
+    remove = _tf.observe_closures(
+        lambda worker, start, end, remote: read.append(len(nest.flatten(remote._values))))
+    try:
+        logs = model.evaluate(kerasps.DatasetCreator(regression_fn), steps=6, verbose=0,
+                              return_dict=True)
+    finally:
+        remove()
+    assert read and set(read) == {1}, read
+    assert logs["examples"] == 6 * BATCH and set(logs) == {"loss", "mae", "examples"}
+
+
 def test_evaluate_starts_over_when_a_worker_fails_during_it(strategy, monkeypatch, caplog):
     # A worker that comes back reads its share again from the start (296 examples of 256
     # were counted in tests/conformance/test_evaluation_under_worker_failures.py).

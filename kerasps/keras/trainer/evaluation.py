@@ -11,7 +11,7 @@ from kerasps.keras.trainer import recovery
 from kerasps.keras.trainer.checks import build, check_model
 from kerasps.keras.trainer.dispatch import Window, to_logs
 from kerasps.keras.trainer.inputs import make_source, per_worker_dataset, require_finite
-from kerasps.keras.trainer.steps import make_test_function
+from kerasps.keras.trainer.steps import make_test_function, unpack_test_result
 from kerasps.policy._validation import positive_int
 
 # Times an evaluation without `steps` starts over after workers failed during it.
@@ -89,10 +89,10 @@ class Evaluation:
 
         def deliver(results):
             nonlocal done, logs
-            for requested, (count, worker, result) in results:
-                count = int(count)
+            for requested, result in results:
+                count, worker, result = unpack_test_result(model, result)
                 if count < requested:  # this worker's dataset has run out
-                    exhausted.add(int(worker))
+                    exhausted.add(worker)
                 if count:
                     callbacks.on_test_batch_begin(done)
                     done += count

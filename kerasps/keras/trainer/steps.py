@@ -39,7 +39,7 @@ def forget_step_functions(model):
 PACKED_LOGS = "_kerasps_packed_logs"
 
 
-def _packed(outputs, cache):
+def _packed(outputs, cache, keys="packed_keys"):
     """A step function's logs as one float64 vector, when they are all scalars.
 
     Each output tensor of a scheduled function is copied to the coordinator
@@ -56,16 +56,27 @@ def _packed(outputs, cache):
             v.dtype.is_floating or v.dtype.is_integer or v.dtype.is_bool)
                for v in values.values()):
         return outputs
-    cache["packed_keys"] = tuple(values)
+    cache[keys] = tuple(values)
     return {PACKED_LOGS: tf.stack([tf.cast(v, tf.float64) for v in values.values()])}
 
 
-def unpack(model, result):
-    """A fetched training function's result with its packed logs as a dict again."""
+def unpack(model, result, keys="packed_keys"):
+    """A fetched step function's result with its packed logs as a dict again (`keys`:
+    where `_packed` noted their names)."""
     if isinstance(result, dict) and PACKED_LOGS in result:
-        keys = step_functions(model)["packed_keys"]
-        return dict(zip(keys, result[PACKED_LOGS].tolist()))
+        names = step_functions(model)[keys]
+        return dict(zip(names, result[PACKED_LOGS].tolist()))
     return result
+
+
+# The names of a test function's step count and worker among its packed outputs.
+DONE, WORKER = "_kerasps_done", "_kerasps_worker"
+
+
+def unpack_test_result(model, result):
+    """A fetched test function's `(steps run, worker index, logs)`."""
+    outputs = dict(unpack(model, result, keys="test_packed_keys"))
+    return int(outputs.pop(DONE)), int(outputs.pop(WORKER)), outputs
 
 
 def _unrolled(model) -> int:
@@ -264,7 +275,11 @@ def make_test_function(model):
         _, done, _ = tf.while_loop(lambda i, done, more: tf.logical_and(i < steps, more),
                                    body, (tf.constant(0), tf.constant(0), tf.constant(True)))
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
-        return done, worker, model.get_metrics_result()
+        # One tensor where the metrics are scalars: each tensor of a result is read
+        # from the worker on its own, and TensorFlow keeps a few kilobytes on the
+        # worker per read (docs/limitations.md).
+        return _packed({DONE: done, WORKER: worker, **model.get_metrics_result()}, cache,
+                       keys="test_packed_keys")
 
     cache["test"] = tf.function(test_function, reduce_retracing=True)
     return cache["test"]
