@@ -412,7 +412,8 @@ def main(argv=None):
         return 0
 
     meta = {"versions": _versions(), "nproc": _nproc(), "steps": steps, "repeats": repeats,
-            "warmup": args.warmup or (10 if args.quick else "max(20, 4*spe)"), "python": sys.version.split()[0],
+            "warmup": args.warmup or (10 if args.quick else "max(20, 4*spe)"),
+            "python": sys.version.split()[0],
             "load_before": _loadavg()}
     print(f"# fit_throughput: {NUM_WORKERS} workers, {NUM_PS} ps; versions {meta['versions']}; "
           f"nproc {meta['nproc']}", flush=True)

@@ -11,8 +11,8 @@ loop alone (from each epoch's first finished step to its last, so job setup
 is excluded) and over the whole `fit` call, CPU seconds of the process per
 step, and the exactly-once / per-worker ratio.
 
-Visits: does each example train exactly once per epoch? Each example carries an id; a zero-initialised
-`Embedding(4096, 1)` trained with SGD(lr=1) on the sum of its outputs moves an
+Visits: does each example train exactly once per epoch? Each example carries an id; a
+zero-initialised `Embedding(4096, 1)` trained with SGD(lr=1) on the sum of its outputs moves an
 id's row by exactly -1 per visit. Three epochs over 4096 ids (batch 64), 3
 workers, 2 ps: how many ids were seen exactly 3 times, fewer, more.
 

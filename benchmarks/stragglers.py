@@ -121,7 +121,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--one", nargs=3, metavar=("MODE", "BACKUPS", "DELAY"))
     parser.add_argument("--steps", type=int, default=None, help="timed global steps (100)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 15 timed steps, 1 repeat")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: 15 timed steps, 1 repeat")
     parser.add_argument("--repeats", type=int, default=None, help="default 3")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--trace", help="with --one: write the run's trace CSV here")
