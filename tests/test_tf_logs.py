@@ -171,7 +171,11 @@ SERVERS = """
 def test_kerasps_tf_logs_or_a_users_own_level_shows_tensorflows_lines(env, level):
     result = run_program(SERVERS, env=env)
     assert f"level: {level}" in result.stdout  # kerasps left the environment as it was
-    assert "oneDNN custom operations" in result.stderr  # printed as TensorFlow loads
+    # Printed as TensorFlow loads: which ones depends on the machine (no oneDNN notice on
+    # a CPU where TensorFlow leaves oneDNN's custom operations off).
+    from kerasps.backend import tf_logs
+
+    assert any(map(tf_logs.is_start_up_noise, result.stderr.splitlines())), result.stderr
     assert "Started server with target" in result.stderr  # INFO, later
 
 
