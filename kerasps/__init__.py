@@ -66,6 +66,7 @@ _LAZY = {
     "launch": None,
     "layers": None,
     "tables": None,
+    "ray": None,  # Ray itself is imported by `kerasps.ray.cluster` only
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -51,6 +51,7 @@ SHORT_NAMES = {
     "kerasps.membership": "kerasps.policy.membership",
     "kerasps.partitioners": "kerasps.policy.partitioners",
     "kerasps.placement": "kerasps.policy.placement",
+    "kerasps.ray": "kerasps.runtime.ray_cluster",
     "kerasps.sparse": "kerasps.params.sparse",
     "kerasps.tables": "kerasps.policy.tables",
     "kerasps.trace": "kerasps.policy.trace",

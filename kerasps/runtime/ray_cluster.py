@@ -1,0 +1,465 @@
+"""Clusters of Ray actors: each worker and ps task a Ray actor, the driver the chief.
+
+    resolver = kerasps.ray.cluster(num_workers=2, num_ps=1)
+    strategy = kerasps.ParameterServerStrategy(resolver)
+    ...
+    resolver.shutdown()   # or `with kerasps.ray.cluster(...) as resolver:`
+
+`cluster` connects to Ray (`ray.init(address=...)` when an address is given, the Ray this
+process is already connected to, or a local Ray started for it), reserves one
+placement-group bundle per task (spread over the nodes by default), picks a free port on
+each bundle's node with a small Ray task in that bundle, then starts each task as a Ray
+actor in its bundle (`kerasps.runtime.ray_server.TaskServer`), serving a
+`tf.distribute.Server` on that port. The driver is the cluster's chief: the returned
+resolver is what `kerasps.ParameterServerStrategy` trains on.
+
+A task's actor is created with `max_restarts`: when its process dies (a SIGKILL, an out of
+memory kill), Ray starts it again with the same arguments in the same bundle, so on the same
+node and port, and the coordinator finds it again on its address, as it finds a task that
+`kerasps launch` restarted: a worker rejoins the running `fit`; a ps task comes back
+empty and `fit` restores it from its `keras.callbacks.BackupAndRestore`.
+
+Ray is imported only by `cluster` (`import kerasps` does not import it); without Ray,
+`cluster` raises an `ImportError` naming the `kerasps[ray]` extra.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import numbers
+import threading
+import time
+
+import tensorflow as tf
+
+from kerasps.policy._validation import positive_int
+from kerasps.runtime import cluster as cluster_lib
+from kerasps.runtime import ray_server
+
+__all__ = ["cluster", "RayClusterResolver", "RayTask", "PLACEMENTS", "MIN_RAY_VERSION",
+           "DEFAULT_RESOURCES"]
+
+MIN_RAY_VERSION = (2, 9)
+# `placement` -> Ray's placement-group strategy.
+PLACEMENTS = {"spread": "SPREAD", "strict_spread": "STRICT_SPREAD", "pack": "PACK",
+              "strict_pack": "STRICT_PACK"}
+DEFAULT_RESOURCES = {"CPU": 1}  # what one task asks Ray for, unless told otherwise
+_INSTALL = 'pip install "kerasps[ray]"'
+_POLL_S = 0.05  # between two looks at a placement group or an actor being removed
+
+
+@dataclasses.dataclass(frozen=True)
+class RayTask:
+    """One worker or ps task of a Ray cluster, where it serves.
+
+    Attributes:
+        task_type: `"worker"` or `"ps"`.
+        index: its index among the tasks of its type.
+        address: `host:port` of its `tf.distribute.Server`, kept across restarts.
+        node_id: the Ray node it runs on (hex).
+        bundle_index: its bundle in the cluster's placement group.
+    """
+
+    task_type: str
+    index: int
+    address: str
+    node_id: str
+    bundle_index: int
+
+    @property
+    def name(self) -> str:
+        """`"worker 0"`, `"ps 1"`: how kerasps names the task in its messages."""
+        return f"{self.task_type} {self.index}"
+
+
+def _import_ray():
+    """Imports Ray, or raises an `ImportError` naming the extra, or a `RuntimeError` naming
+    the version when it is older than `MIN_RAY_VERSION`."""
+    try:
+        import ray
+        from ray.util import placement_group  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "kerasps.ray.cluster needs Ray, which is not installed (" + str(e) + "). Install "
+            f"it with kerasps' `ray` extra: {_INSTALL}") from e
+    if _version(ray.__version__) < MIN_RAY_VERSION:
+        wanted = ".".join(map(str, MIN_RAY_VERSION))
+        raise RuntimeError(
+            f"kerasps.ray.cluster needs Ray {wanted} or newer; this is Ray {ray.__version__}. "
+            f"Upgrade it with {_INSTALL} (or pip install -U \"ray[default]>={wanted}\").")
+    return ray
+
+
+def _version(text: str) -> tuple:
+    """`"2.60.0"` -> `(2, 60)`; `"3.0.0.dev0"` -> `(3, 0)`."""
+    parts = []
+    for part in text.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit()) if part else ""
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def _resources(name: str, value, gpus: bool) -> dict:
+    """Validates a task's Ray resources (`{"CPU": 2, "GPU": 1, "memory": bytes, custom...}`,
+    as a placement-group bundle names them) and returns them with the defaults."""
+    if value is None:
+        return dict(DEFAULT_RESOURCES)
+    if not isinstance(value, dict) or not value or not all(
+            isinstance(k, str) and isinstance(v, numbers.Real) and not isinstance(v, bool)
+            and v >= 0 for k, v in value.items()):
+        raise ValueError(
+            f"Invalid value for argument `{name}`: expected a dict of Ray resource names to "
+            f'non-negative numbers, e.g. {{"CPU": 2, "GPU": 1}}. Received: {name}={value!r}')
+    lower = {k.lower() for k in value}
+    if lower & {"num_cpus", "num_gpus", "cpus", "gpus"}:
+        raise ValueError(
+            f"Invalid value for argument `{name}`: name resources as Ray's placement groups "
+            f'do ("CPU", "GPU", "memory", custom names), not as `ray.remote` arguments. '
+            f"Received: {name}={value!r}")
+    if not gpus and value.get("GPU", 0):
+        raise ValueError(
+            f"Invalid value for argument `{name}`: a ps task holds variables in host memory "
+            f"and asks Ray for no GPU. Received: {name}={value!r}")
+    if not any(value.values()):
+        raise ValueError(
+            f"Invalid value for argument `{name}`: a task must ask Ray for some resource "
+            f"(a placement-group bundle cannot be empty). Received: {name}={value!r}")
+    return dict(value)
+
+
+def _actor_options(resources: dict) -> dict:
+    """A bundle's resources as the options of the actor that fills it."""
+    options = {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0)}
+    if resources.get("memory"):
+        options["memory"] = resources["memory"]
+    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU", "memory")}
+    if custom:
+        options["resources"] = custom
+    return options
+
+
+def _is_placement_group(value) -> bool:
+    try:
+        from ray.util.placement_group import PlacementGroup
+    except ImportError:
+        return False
+    return isinstance(value, PlacementGroup)
+
+
+# The driver's chief address: one per process, kept for every Ray cluster it makes (a
+# process's TensorFlow context serves the chief on one port).
+_CHIEF = {}
+_CHIEF_LOCK = threading.Lock()
+
+
+def _chief_address(ip: str) -> str:
+    import portpicker
+
+    with _CHIEF_LOCK:
+        if ip not in _CHIEF:
+            _CHIEF[ip] = f"{ip}:{portpicker.pick_unused_port()}"
+        return _CHIEF[ip]
+
+
+class RayClusterResolver(tf.distribute.cluster_resolver.SimpleClusterResolver):
+    """The resolver of a cluster of Ray actors (`kerasps.ray.cluster`): the driver is its
+    `chief`, each worker and ps task an actor. Shut it down with `shutdown()`, or use it as
+    a context manager; the process's exit shuts it down too.
+
+    Attributes:
+        tasks: a `RayTask` per worker and ps task, workers first.
+        placement_group: the Ray placement group holding the tasks.
+    """
+
+    def __init__(self, cluster_spec, tasks, actors, placement_group, owns_placement_group):
+        super().__init__(cluster_spec, task_type="chief", task_id=0, rpc_layer="grpc")
+        self.tasks = tuple(tasks)
+        self.placement_group = placement_group
+        self._actors = dict(actors)
+        self._owns_placement_group = owns_placement_group
+        self._lock = threading.Lock()
+        self._closed = False
+        atexit.register(self.shutdown)
+
+    def _key(self, task_type: str, index: int):
+        key = (task_type, index)
+        if key not in self._actors:
+            raise ValueError(
+                "Invalid value for arguments `task_type` and `index`: this cluster has "
+                f"{sorted(self._actors)}. Received: task_type={task_type!r}, index={index!r}")
+        return key
+
+    def actor(self, task_type: str, index: int):
+        """The Ray actor handle of task `task_type` `index`."""
+        return self._actors[self._key(task_type, index)]
+
+    def info(self, task_type: str, index: int, timeout_s: float = 300.0) -> dict:
+        """What the task's actor says of itself: `pid`, `node_id`, `gpus` (TensorFlow's
+        GPUs there), `cuda_visible_devices`, `intra_op_threads`, `inter_op_threads`.
+        Waits for an actor Ray is restarting."""
+        import ray
+
+        return ray.get(self.actor(task_type, index).info.remote(), timeout=timeout_s)
+
+    def pid(self, task_type: str, index: int, timeout_s: float = 300.0) -> int:
+        """The process id of the task's actor (a new one after a restart)."""
+        return self.info(task_type, index, timeout_s)["pid"]
+
+    def shutdown(self, timeout_s: float = 30.0):
+        """Kills every task's actor (no restart) and removes the placement group kerasps
+        made; returns once Ray reports the actors dead (or after `timeout_s`). Idempotent.
+        A program that goes on with Ray keeps its Ray; the local Ray `cluster` started
+        stops with the process."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self.shutdown)
+        import ray
+
+        if not ray.is_initialized():
+            return  # Ray is gone, and the actors and placement group with it
+        _remove(ray, list(self._actors.values()),
+                self.placement_group if self._owns_placement_group else None, timeout_s)
+
+    @property
+    def closed(self) -> bool:
+        """Whether `shutdown` ran."""
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        return False
+
+    def __repr__(self):
+        counts = {kind: sum(t.task_type == kind for t in self.tasks) for kind in ("worker", "ps")}
+        nodes = len({t.node_id for t in self.tasks})
+        return (f"<RayClusterResolver {counts['worker']} workers, {counts['ps']} ps on {nodes} "
+                f"node(s){' (shut down)' if self._closed else ''}>")
+
+
+def _remove(ray, actors, placement_group, timeout_s: float):
+    """Kills `actors` and removes `placement_group`, then waits (up to `timeout_s`) for Ray to
+    report the actors dead: their processes, and so their ports, are gone."""
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - an actor already gone
+            pass
+    if placement_group is not None:
+        try:
+            ray.util.remove_placement_group(placement_group)
+        except Exception:  # noqa: BLE001 - removed already
+            pass
+    ids = [actor._actor_id.hex() for actor in actors]
+    deadline = time.monotonic() + timeout_s
+    while ids and time.monotonic() < deadline:
+        ids = [i for i in ids if _actor_state(ray, i) not in ("DEAD", None)]
+        if ids:
+            time.sleep(_POLL_S)
+
+
+def _actor_state(ray, actor_id: str):
+    """The state Ray's control store holds for an actor (`"ALIVE"`, `"DEAD"` ...), or None."""
+    try:
+        return ray._private.state.actors(actor_id=actor_id).get("State")
+    except Exception:  # noqa: BLE001 - no such actor, or an older Ray's table
+        return None
+
+
+def cluster(num_workers: int = 2, num_ps: int = 1, *, worker_resources: dict | None = None,
+            ps_resources: dict | None = None, placement="spread", address: str | None = None,
+            max_restarts: int = 3, placement_timeout_s: float = 60.0,
+            start_timeout_s: float = 300.0, init_kwargs: dict | None = None):
+    """Starts the worker and ps tasks as Ray actors and returns their cluster's resolver.
+
+    Each task is one Ray actor (a process) serving a `tf.distribute.Server` on a free
+    port of its node; the calling process (the Ray driver) is the chief:
+
+        with kerasps.ray.cluster(num_workers=4, num_ps=2,
+                                 worker_resources={"CPU": 4, "GPU": 1}) as resolver:
+            strategy = kerasps.ParameterServerStrategy(resolver)
+            ...
+
+    A worker asks Ray for `worker_resources` and TensorFlow there sees the GPUs Ray gave it;
+    a ps task asks for `ps_resources` and sees no GPU. TensorFlow's thread pools in a task
+    follow the CPUs it asked for (intra-op: the CPUs; inter-op: at least `num_workers + 1`).
+
+    Args:
+        num_workers: worker tasks, at least 1.
+        num_ps: ps tasks, at least 1.
+        worker_resources: what each worker asks Ray for, named as a placement-group bundle
+            names resources: `{"CPU": 4, "GPU": 1}`, `"memory"` in bytes, custom resources
+            by their names. Default `{"CPU": 1}`.
+        ps_resources: the same for each ps task (no `"GPU"`). Default `{"CPU": 1}`.
+        placement: how the tasks' bundles go on the nodes: `"spread"` (default: over as many
+            nodes as can hold them), `"strict_spread"` (one task per node, or an error),
+            `"pack"`, `"strict_pack"`, or a Ray `PlacementGroup` of your own with
+            `num_workers + num_ps` bundles (workers' bundles first, then the ps tasks'),
+            which `shutdown` leaves in place.
+        address: the Ray cluster to connect to (`ray.init(address=...)`: `"auto"`,
+            `"ray://host:10001"`, a GCS address). `None`: the Ray this process is connected
+            to, else `ray.init()` (a Ray cluster started on this machine, or a local Ray).
+        max_restarts: how many times Ray restarts a task whose process died (on its
+            address); `-1`: without limit.
+        placement_timeout_s: seconds to wait for Ray to place the tasks before raising.
+        start_timeout_s: seconds to wait for every task's server to start.
+        init_kwargs: more arguments of `ray.init`, when `cluster` calls it
+            (`{"num_cpus": 8}`, `{"runtime_env": {...}}`).
+
+    Returns:
+        A `RayClusterResolver` (a `tf.distribute.cluster_resolver.SimpleClusterResolver`,
+        task `chief` 0, `rpc_layer="grpc"`).
+
+    Raises:
+        ImportError: if Ray is not installed (`pip install "kerasps[ray]"`).
+        RuntimeError: if Ray is older than `MIN_RAY_VERSION`; if Ray cannot place the tasks
+            within `placement_timeout_s` (the message names what was asked and what the
+            cluster has; nothing is left behind); if a task's server did not start.
+        ValueError: if an argument is invalid (before Ray is touched).
+    """
+    num_workers = positive_int("num_workers", num_workers)
+    num_ps = positive_int("num_ps", num_ps)
+    worker_resources = _resources("worker_resources", worker_resources, gpus=True)
+    ps_resources = _resources("ps_resources", ps_resources, gpus=False)
+    own_group = _is_placement_group(placement)
+    if not own_group and placement not in PLACEMENTS:
+        raise ValueError(
+            f"Invalid value for argument `placement`: expected one of {list(PLACEMENTS)} or a "
+            f"Ray `PlacementGroup`. Received: placement={placement!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < -1:
+        raise ValueError(
+            "Invalid value for argument `max_restarts`: expected an integer >= 0, or -1 "
+            f"(no limit). Received: max_restarts={max_restarts!r}")
+    for name, value in (("placement_timeout_s", placement_timeout_s),
+                        ("start_timeout_s", start_timeout_s)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0:
+            raise ValueError(f"Invalid value for argument `{name}`: expected a positive number "
+                             f"of seconds. Received: {name}={value!r}")
+    if init_kwargs is not None and not isinstance(init_kwargs, dict):
+        raise ValueError("Invalid value for argument `init_kwargs`: expected a dict of "
+                         f"`ray.init` arguments. Received: init_kwargs={init_kwargs!r}")
+    ray = _import_ray()
+    if own_group and len(placement.bundle_specs) != num_workers + num_ps:
+        raise ValueError(
+            "Invalid value for argument `placement`: the placement group has "
+            f"{len(placement.bundle_specs)} bundles for {num_workers} workers and {num_ps} ps "
+            f"tasks (one bundle per task, workers first). Received: placement={placement!r}")
+    _connect(ray, address, init_kwargs)
+
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    kinds = [("worker", i, worker_resources) for i in range(num_workers)] + [
+        ("ps", i, ps_resources) for i in range(num_ps)]
+    group = placement if own_group else ray.util.placement_group(
+        [resources for _, _, resources in kinds], strategy=PLACEMENTS[placement],
+        name=f"kerasps-{num_workers}w{num_ps}ps")
+    actors = {}
+    try:
+        _wait_placed(ray, group, kinds, placement, placement_timeout_s)
+
+        def in_bundle(i):
+            return PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=i,
+                placement_group_capture_child_tasks=False)
+
+        pick = ray.remote(num_cpus=0, max_retries=0)(ray_server.pick_address)
+        places = ray.get([pick.options(scheduling_strategy=in_bundle(i)).remote()
+                          for i in range(len(kinds))], timeout=start_timeout_s)
+        _unique_ports(ray, pick, in_bundle, places, start_timeout_s)
+        spec = {"chief": [_chief_address(ray.util.get_node_ip_address())],
+                "worker": [f"{p['ip']}:{p['port']}" for p in places[:num_workers]],
+                "ps": [f"{p['ip']}:{p['port']}" for p in places[num_workers:]]}
+        task_class = ray.remote(ray_server.TaskServer)
+        for i, (kind, index, resources) in enumerate(kinds):
+            actors[kind, index] = task_class.options(
+                **_actor_options(resources), max_restarts=max_restarts, max_task_retries=0,
+                scheduling_strategy=in_bundle(i),
+                name=None).remote(spec, kind, index, resources.get("CPU", 0),
+                                  hide_gpus=not resources.get("GPU", 0))
+        _wait_started(ray, actors, start_timeout_s)
+    except BaseException:
+        _remove(ray, list(actors.values()), None if own_group else group, 30.0)
+        raise
+    cluster_lib._enable_fail_fast()
+    cluster_lib._enable_keepalive()
+    tasks = [RayTask(kind, index, spec[kind][index], places[i]["node_id"], i)
+             for i, (kind, index, _) in enumerate(kinds)]
+    return RayClusterResolver(tf.train.ClusterSpec(spec), tasks, actors, group,
+                              owns_placement_group=not own_group)
+
+
+def _connect(ray, address, init_kwargs):
+    """Connects this process to Ray, unless it is: `ray.init(address, **init_kwargs)`."""
+    if not ray.is_initialized():
+        ray.init(address=address, **(init_kwargs or {}))
+
+
+def _describe(kinds) -> str:
+    counts = {}
+    for kind, _, resources in kinds:
+        key = (kind, tuple(sorted(resources.items())))
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n} {kind} task(s) of {dict(resources)}"
+                     for (kind, resources), n in counts.items())
+
+
+def _wait_placed(ray, group, kinds, placement, timeout_s):
+    """Waits for Ray to place `group`'s bundles, or raises a `RuntimeError` naming what was
+    asked and what the cluster has (the caller removes the group)."""
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if ready:
+        return
+    how = placement if isinstance(placement, str) else "your placement group"
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    raise RuntimeError(
+        f"Ray could not place the tasks within placement_timeout_s={timeout_s}: asked for "
+        f"{_describe(kinds)} with placement={how!r} ({PLACEMENTS.get(how, 'bundles')}); "
+        f"the cluster has {_summary(ray.cluster_resources())} in all, "
+        f"{_summary(ray.available_resources())} available, on {len(nodes)} node(s): "
+        f"{[_summary(n) for n in nodes]}. Ask for less (`worker_resources`, `ps_resources`, "
+        "fewer tasks), another `placement`, or add nodes.")
+
+
+def _summary(resources: dict) -> dict:
+    """A resources dict without Ray's per-node and per-group entries."""
+    return {k: v for k, v in sorted(resources.items())
+            if not k.startswith("node:") and "_group_" not in k and k != "bundle"
+            and not k.startswith("accelerator_type")}
+
+
+def _unique_ports(ray, pick, in_bundle, places, timeout_s):
+    """Picks again the ports that two tasks on one node drew alike (portpicker releases a
+    port once picked: two tasks picking at once may draw the same)."""
+    for _ in range(10):
+        seen, again = set(), []
+        for i, place in enumerate(places):
+            key = (place["node_id"], place["port"])
+            if key in seen:
+                again.append(i)
+            seen.add(key)
+        if not again:
+            return
+        for i in again:
+            places[i] = ray.get(pick.options(scheduling_strategy=in_bundle(i)).remote(),
+                                timeout=timeout_s)
+
+
+def _wait_started(ray, actors, timeout_s):
+    """Waits for every actor's server to start, or raises naming the tasks that did not."""
+    refs = {actor.info.remote(): key for key, actor in actors.items()}
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except Exception as e:
+            raise RuntimeError(f"The server of {refs[ref][0]} {refs[ref][1]} did not start on "
+                               f"its Ray actor: {e}") from e
+    if pending:
+        names = ", ".join(f"{kind} {index}" for kind, index in sorted(refs[r] for r in pending))
+        raise RuntimeError(f"The servers of {names} did not start within "
+                           f"start_timeout_s={timeout_s} on their Ray actors.")

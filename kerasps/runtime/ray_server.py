@@ -1,0 +1,80 @@
+"""What runs inside the Ray actors of `kerasps.ray.cluster`: one task's `tf.distribute.Server`.
+
+Each worker and ps task of a Ray cluster is one Ray actor, in a process of its own, whose
+constructor starts the task's server on the address the driver chose for it (`pick_address`
+ran in the same placement-group bundle, so on the same node). Ray runs the constructor again,
+with the same arguments, when it restarts the actor after its process died: the task comes
+back on its address, where the coordinator finds it again, as a task that `kerasps launch`
+restarted.
+
+Importing this module imports neither Ray nor TensorFlow: an actor hides the GPUs from
+TensorFlow (a ps task) before TensorFlow is imported in its process.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["TaskServer", "pick_address", "threads_for"]
+
+
+def pick_address() -> dict:
+    """A free port on this node, with the node's address and id (a Ray task's body)."""
+    import portpicker
+    import ray
+
+    return {"ip": ray.util.get_node_ip_address(), "port": portpicker.pick_unused_port(),
+            "node_id": ray.get_runtime_context().get_node_id()}
+
+
+def threads_for(cpus: float, num_workers: int) -> tuple[int, int]:
+    """The `(intra_op, inter_op)` thread counts of a task given `cpus` CPUs by Ray.
+
+    Intra-op: the CPUs (at least 1). Inter-op: as many, but never fewer than
+    `num_workers + 1` (`kerasps.cluster.server_config`: fewer deadlock a worker whose
+    closures' ops wait on each other).
+    """
+    intra = max(1, int(cpus))
+    return intra, max(intra, num_workers + 1)
+
+
+class TaskServer:
+    """A worker or ps task: its server runs from construction to the end of the process.
+
+    Args:
+        cluster: task type -> addresses, the whole cluster (`chief`, `worker`, `ps`).
+        task_type: `"worker"` or `"ps"`.
+        index: the task's index among its type.
+        cpus: the CPUs Ray gave the actor; TensorFlow's thread pools follow them.
+        hide_gpus: set `CUDA_VISIBLE_DEVICES=""` before TensorFlow is imported (ps tasks:
+            Ray leaves the variable alone for an actor given no GPU).
+    """
+
+    def __init__(self, cluster: dict, task_type: str, index: int, cpus: float,
+                 hide_gpus: bool):
+        if hide_gpus:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        # Imports the package first (`kerasps/__init__.py` quiets TensorFlow's start-up lines).
+        from kerasps.runtime import cluster as cluster_lib
+
+        cluster_lib._enable_fail_fast()
+        import tensorflow as tf
+
+        num_workers = len(cluster["worker"])
+        config = cluster_lib.server_config(task_type, num_workers)
+        intra, inter = threads_for(cpus, num_workers)
+        config.intra_op_parallelism_threads = intra
+        config.inter_op_parallelism_threads = inter
+        self.task_type, self.index, self.threads = task_type, index, (intra, inter)
+        self.server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=task_type,
+                                           task_index=index, config=config, protocol="grpc",
+                                           start=True)
+        self.gpus = len(tf.config.list_physical_devices("GPU"))
+
+    def info(self) -> dict:
+        """The task's process id, node id, GPUs seen by TensorFlow and thread counts."""
+        import ray
+
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "gpus": self.gpus, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "intra_op_threads": self.threads[0], "inter_op_threads": self.threads[1]}
