@@ -78,7 +78,6 @@ def _import_ray():
     the version when it is older than `MIN_RAY_VERSION`."""
     try:
         import ray
-        from ray.util import placement_group  # noqa: F401
     except ImportError as e:
         raise ImportError(
             "kerasps.ray.cluster needs Ray, which is not installed (" + str(e) + "). Install "
@@ -306,7 +305,8 @@ def cluster(num_workers: int = 2, num_ps: int = 1, *, worker_resources: dict | N
             to, else `ray.init()` (a Ray cluster started on this machine, or a local Ray).
         max_restarts: how many times Ray restarts a task whose process died (on its
             address); `-1`: without limit.
-        placement_timeout_s: seconds to wait for Ray to place the tasks before raising.
+        placement_timeout_s: seconds to wait for Ray to place the tasks (and pick a port on
+            each one's node) before raising.
         start_timeout_s: seconds to wait for every task's server to start.
         init_kwargs: more arguments of `ray.init`, when `cluster` calls it
             (`{"num_cpus": 8}`, `{"runtime_env": {...}}`).
@@ -367,10 +367,7 @@ def cluster(num_workers: int = 2, num_ps: int = 1, *, worker_resources: dict | N
                 placement_group=group, placement_group_bundle_index=i,
                 placement_group_capture_child_tasks=False)
 
-        pick = ray.remote(num_cpus=0, max_retries=0)(ray_server.pick_address)
-        places = ray.get([pick.options(scheduling_strategy=in_bundle(i)).remote()
-                          for i in range(len(kinds))], timeout=start_timeout_s)
-        _unique_ports(ray, pick, in_bundle, places, start_timeout_s)
+        places = _pick_addresses(ray, in_bundle, len(kinds), placement_timeout_s)
         spec = {"chief": [_chief_address(ray.util.get_node_ip_address())],
                 "worker": [f"{p['ip']}:{p['port']}" for p in places[:num_workers]],
                 "ps": [f"{p['ip']}:{p['port']}" for p in places[num_workers:]]}
@@ -432,10 +429,24 @@ def _summary(resources: dict) -> dict:
             and not k.startswith("accelerator_type")}
 
 
-def _unique_ports(ray, pick, in_bundle, places, timeout_s):
-    """Picks again the ports that two tasks on one node drew alike (portpicker releases a
-    port once picked: two tasks picking at once may draw the same)."""
+def _pick_addresses(ray, in_bundle, count, timeout_s) -> list:
+    """A free port on each bundle's node, picked by a Ray task in the bundle (with the
+    node's address and id), two tasks of one node never on one port."""
+    pick = ray.remote(num_cpus=0, max_retries=0)(ray_server.pick_address)
+    places, again = [None] * count, list(range(count))
+    deadline = time.monotonic() + timeout_s
     for _ in range(10):
+        refs = {i: pick.options(scheduling_strategy=in_bundle(i)).remote() for i in again}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs),
+                            timeout=max(0.0, deadline - time.monotonic()))
+        if len(ready) < len(refs):
+            raise RuntimeError(
+                f"Ray placed the tasks but did not run the task picking their ports within "
+                f"placement_timeout_s={timeout_s}: the cluster may be short of worker "
+                "processes; try a longer placement_timeout_s.")
+        for i, ref in refs.items():
+            places[i] = ray.get(ref)
+        # portpicker releases a port once picked: two tasks picking at once may draw one.
         seen, again = set(), []
         for i, place in enumerate(places):
             key = (place["node_id"], place["port"])
@@ -443,10 +454,8 @@ def _unique_ports(ray, pick, in_bundle, places, timeout_s):
                 again.append(i)
             seen.add(key)
         if not again:
-            return
-        for i in again:
-            places[i] = ray.get(pick.options(scheduling_strategy=in_bundle(i)).remote(),
-                                timeout=timeout_s)
+            break
+    return places
 
 
 def _wait_started(ray, actors, timeout_s):

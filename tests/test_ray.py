@@ -1,0 +1,317 @@
+"""`kerasps.ray.cluster`: the worker and ps tasks as Ray actors on simulated Ray nodes.
+
+One Ray cluster serves the module (`ray.cluster_utils.Cluster`: a head with no CPUs, so that
+every task goes to the nodes added to it, and two 1-CPU nodes), every process of it on
+loopback. A process's TensorFlow connects to one cluster: the chief of the Ray job is a
+driver program of its own (`DRIVER`), run once for the module; it trains, kills its worker's
+process mid-`fit`, shuts the job down and prints what it saw as JSON lines, which the tests
+read. The same training runs under an in-process cluster in another process, beside it.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import types
+
+import pytest
+
+# Ray would serve its nodes on the machine's interface address and turn 127.0.0.1 given to
+# `ray.init` into that address; with its multi-node support off, it stays on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 480  # one driver program; it takes about a minute and a half here
+
+# The training both clusters run: one worker, a fixed seed and data.
+TRAINING = """
+    import json, os, signal, sys
+    import numpy as np
+    import keras, tensorflow as tf, kerasps
+
+    def report(key, value):
+        print("REPORT " + json.dumps({key: value}), flush=True)
+
+    def build(strategy):
+        keras.utils.set_random_seed(7)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+                                      keras.layers.Dense(1)])
+            model.compile(keras.optimizers.SGD(0.05), "mse")
+        return model
+
+    def dataset_fn(context):
+        x = tf.random.stateless_uniform((64, 4), [1, context.input_pipeline_id])
+        y = tf.reduce_sum(x, axis=1, keepdims=True)
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8)
+
+    def train(strategy):
+        model = build(strategy)
+        history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=3, steps_per_epoch=8,
+                            verbose=0)
+        report("loss", history.history["loss"])
+        report("weights", [w.tolist() for w in model.get_weights()])
+        return model
+"""
+
+IN_PROCESS = TRAINING + """
+    train(kerasps.ParameterServerStrategy(kerasps.cluster.in_process(num_workers=1, num_ps=1)))
+"""
+
+DRIVER = TRAINING + """
+    import time
+    import ray
+
+    ray.init(address=sys.argv[1])
+    resolver = kerasps.ray.cluster(num_workers=1, num_ps=1)
+    report("tasks", [dict(resolver.info(t.task_type, t.index), name=t.name,
+                          address=t.address, task_node_id=t.node_id) for t in resolver.tasks])
+    report("spec", resolver.cluster_spec().as_dict())
+    strategy = kerasps.ParameterServerStrategy(resolver)
+    model = train(strategy)
+    logs = model.evaluate(kerasps.DatasetCreator(dataset_fn), steps=4, verbose=0,
+                          return_dict=True)
+    report("evaluate", logs)
+    x = np.random.default_rng(0).uniform(size=(16, 4)).astype("float32")
+    report("predict", model.predict(x, batch_size=8, verbose=0).tolist())
+
+    # The worker's process SIGKILLed mid-fit: Ray starts it again on its address.
+    pid = resolver.pid("worker", 0)
+    done = []
+
+    def kill(batch, logs):
+        done.append(batch)
+        if len(done) == 5:
+            os.kill(pid, signal.SIGKILL)
+
+    before = int(model.optimizer.iterations.numpy())
+    history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=2, steps_per_epoch=10,
+                        verbose=0, callbacks=[keras.callbacks.LambdaCallback(
+                            on_train_batch_end=kill)])
+    report("killed", dict(
+        pid=pid, pid_after=resolver.pid("worker", 0), batches=len(done),
+        iterations=int(model.optimizer.iterations.numpy()) - before,
+        reexecuted=sum(history.history.get("reexecuted_steps", [0])),
+        address_after=resolver.cluster_spec().as_dict()["worker"][0]))
+
+    pids = [resolver.pid(t.task_type, t.index) for t in resolver.tasks]
+    group = resolver.placement_group.id.hex()
+    started = time.monotonic()
+    resolver.shutdown()
+    report("shutdown", dict(
+        seconds=time.monotonic() - started, pids=pids, group=group,
+        actors={a["ActorID"]: a["State"] for a in ray._private.state.actors().values()},
+        groups={g: v["state"] for g, v in ray.util.placement_group_table().items()}))
+"""
+
+
+def _reports(output: str) -> dict:
+    found = {}
+    for line in output.splitlines():
+        if line.startswith("REPORT "):
+            found.update(json.loads(line[len("REPORT "):]))
+    return found
+
+
+def _start(program: str, *args) -> subprocess.Popen:
+    output = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would stop the program
+    process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(program), *args],
+                               stdout=output, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                               env={**os.environ, "PYTHONPATH": ROOT})
+    process.output = output
+    return process
+
+
+def _finish(process: subprocess.Popen) -> dict:
+    try:
+        process.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    process.output.seek(0)
+    output = process.output.read()
+    process.output.close()
+    assert process.returncode == 0, output[-6000:]
+    return _reports(output)
+
+
+def _listening(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex((host, int(port))) == 0
+
+
+# -- cheap: no Ray cluster ---------------------------------------------------------------------
+def test_importing_kerasps_imports_no_ray():
+    code = "import sys, kerasps; assert 'ray' not in sys.modules, 'ray imported'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_workers=0), "Received: num_workers=0"),
+    (dict(num_ps=1.5), "Received: num_ps=1.5"),
+    (dict(worker_resources={"num_gpus": 1}), "as Ray's placement groups do"),
+    (dict(worker_resources={"CPU": -1}), "Received: worker_resources={'CPU': -1}"),
+    (dict(ps_resources={"CPU": 1, "GPU": 1}), "asks Ray for no GPU"),
+    (dict(worker_resources={"CPU": 0}), "cannot be empty"),
+    (dict(placement="everywhere"), "Received: placement='everywhere'"),
+    (dict(max_restarts=-2), "Received: max_restarts=-2"),
+    (dict(placement_timeout_s=0), "Received: placement_timeout_s=0"),
+    (dict(init_kwargs=["num_cpus"]), "Received: init_kwargs=['num_cpus']"),
+])
+def test_bad_arguments_raise_before_ray_is_imported(monkeypatch, kwargs, message):
+    import kerasps.ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` would raise
+    with pytest.raises(ValueError, match="Invalid value for argument") as raised:
+        kerasps.ray.cluster(**kwargs)
+    assert message in str(raised.value)
+
+
+def test_without_ray_the_error_names_the_extra(monkeypatch):
+    import kerasps.ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ImportError, match=r'pip install "kerasps\[ray\]"'):
+        kerasps.ray.cluster(num_workers=1, num_ps=1)
+
+
+def test_an_unsupported_ray_version_is_refused(monkeypatch):
+    import kerasps.ray
+
+    old = types.ModuleType("ray")
+    old.__version__ = "2.8.1"
+    monkeypatch.setitem(sys.modules, "ray", old)
+    with pytest.raises(RuntimeError, match=r"needs Ray 2\.9 or newer; this is Ray 2\.8\.1"):
+        kerasps.ray.cluster(num_workers=1, num_ps=1)
+
+
+# -- slow: a Ray cluster of simulated nodes ------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_nodes():
+    """A Ray cluster of a head without CPUs and two 1-CPU nodes, this process connected."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False})
+    try:
+        nodes = [cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1") for _ in range(2)]
+        ray.init(address=cluster.address)
+        yield types.SimpleNamespace(address=cluster.address, head=cluster.head_node.node_id,
+                                    nodes=[node.node_id for node in nodes])
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def runs(ray_nodes):
+    """The driver program's reports, and the in-process run's (run beside it)."""
+    in_process = _start(IN_PROCESS)
+    driver = _start(DRIVER, ray_nodes.address)
+    return types.SimpleNamespace(driver=_finish(driver), in_process=_finish(in_process))
+
+
+@pytest.mark.slow
+def test_tasks_land_on_distinct_nodes_and_fit_evaluate_predict_work(ray_nodes, runs):
+    tasks = runs.driver["tasks"]
+    assert [task["name"] for task in tasks] == ["worker 0", "ps 0"]
+    assert sorted(task["node_id"] for task in tasks) == sorted(ray_nodes.nodes)  # spread
+    assert [task["task_node_id"] for task in tasks] == [task["node_id"] for task in tasks]
+    spec = runs.driver["spec"]
+    assert spec["worker"] == [tasks[0]["address"]] and spec["ps"] == [tasks[1]["address"]]
+    assert len(spec["chief"]) == 1 and spec["chief"][0].startswith("127.0.0.1:")
+    for task in tasks:  # one CPU each, no GPU asked: TensorFlow's pools and devices follow
+        assert task["intra_op_threads"] == 1 and task["inter_op_threads"] == 2
+        assert task["gpus"] == 0 and task["cuda_visible_devices"] == ""
+    loss = runs.driver["loss"]
+    assert loss[-1] < loss[0] / 2, loss
+    assert set(runs.driver["evaluate"]) == {"loss"}
+    predictions = runs.driver["predict"]
+    assert len(predictions) == 16 and all(len(p) == 1 for p in predictions)
+
+
+@pytest.mark.slow
+def test_a_one_worker_fit_equals_the_same_fit_on_an_in_process_cluster(runs):
+    import numpy as np
+
+    np.testing.assert_allclose(runs.driver["loss"], runs.in_process["loss"], rtol=1e-6)
+    for ray_weight, in_process_weight in zip(runs.driver["weights"], runs.in_process["weights"],
+                                             strict=True):
+        np.testing.assert_allclose(ray_weight, in_process_weight, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_a_worker_process_killed_mid_fit_is_restarted_on_its_address_and_every_step_runs(runs):
+    killed = runs.driver["killed"]
+    assert killed["pid_after"] != killed["pid"]  # Ray started the actor again
+    assert killed["address_after"] == runs.driver["tasks"][0]["address"]
+    assert killed["batches"] == 20
+    # Every requested step ran; a step run again is counted, not hidden.
+    assert killed["iterations"] == 20 + killed["reexecuted"]
+
+
+@pytest.mark.slow
+def test_shutdown_leaves_no_actor_placement_group_process_or_port(ray_nodes, runs):
+    shutdown = runs.driver["shutdown"]
+    assert shutdown["actors"] and set(shutdown["actors"].values()) == {"DEAD"}
+    assert shutdown["groups"][shutdown["group"]] == "REMOVED"
+    for pid in shutdown["pids"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert [t["address"] for t in runs.driver["tasks"] if _listening(t["address"])] == []
+
+
+@pytest.mark.slow
+def test_resources_ray_cannot_place_raise_within_the_deadline_and_leave_nothing(ray_nodes):
+    import ray
+
+    import kerasps.ray
+
+    before = set(ray.util.placement_group_table())
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as raised:
+        kerasps.ray.cluster(num_workers=1, num_ps=1, worker_resources={"CPU": 2},
+                            placement_timeout_s=2)
+    assert time.monotonic() - started < 15
+    message = str(raised.value)
+    assert "1 worker task(s) of {'CPU': 2}" in message and "'CPU': 2.0" in message, message
+    groups = ray.util.placement_group_table()
+    assert {groups[g]["state"] for g in set(groups) - before} == {"REMOVED"}
+
+
+@pytest.mark.slow
+def test_a_start_that_fails_kills_the_actors_it_made(ray_nodes):
+    import ray
+
+    import kerasps.ray
+
+    before = set(ray._private.state.actors())
+    with pytest.raises(RuntimeError, match="did not start within start_timeout_s=0.5"):
+        kerasps.ray.cluster(num_workers=1, num_ps=1, start_timeout_s=0.5)
+    actors = ray._private.state.actors()
+    made = set(actors) - before
+    assert len(made) == 2 and {actors[a]["State"] for a in made} == {"DEAD"}
+
+
+@pytest.mark.slow
+def test_ray_and_tensorflow_import_in_either_order():
+    orders = {"ray first": "import ray, tensorflow", "tensorflow first": "import tensorflow, ray"}
+    check = ("; import kerasps.ray, sys; assert kerasps.ray.cluster; "
+             "print(sorted(m for m in ('ray', 'tensorflow') if m in sys.modules))")
+    processes = {name: subprocess.Popen([sys.executable, "-c", code + check],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, env={**os.environ, "PYTHONPATH": ROOT})
+                 for name, code in orders.items()}
+    for name, process in processes.items():
+        output, _ = process.communicate(timeout=300)
+        assert process.returncode == 0, (name, output[-3000:])
+        assert output.splitlines()[-1] == "['ray', 'tensorflow']", (name, output[-3000:])
