@@ -24,6 +24,7 @@ latest step's.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import tensorflow as tf
@@ -41,6 +42,14 @@ from kerasps.keras.trainer.steps import (
 )
 from kerasps.keras.trainer.sync import SyncSteps
 from kerasps.policy.consistency import StalenessBound
+
+# Where the step's logs are the metrics' results (Keras' `train_step`), the logs
+# `on_train_batch_end` receives are the epoch's logs so far, read from the metrics on
+# the ps tasks at most once per this many seconds, not returned by every step: a
+# progress bar or a batch callback costs a read a few times a second, not a copy of
+# every function's result to the coordinator (which also keeps a few kilobytes on
+# the worker for each read, for good: TensorFlow caches the copy's send kernel).
+BATCH_LOGS_INTERVAL_S = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +94,7 @@ class Epochs:
         self.logs = {}
         self.epoch = self.done = self.scheduled = self.dropped = 0
         self.window = None
+        self._read_at = None  # when `_batch_logs` last read the metrics
         self.first = True  # no function of this attempt was scheduled yet
         strategy = self.model.distribute_strategy
         self.sync = strategy.consistency.sync
@@ -95,6 +105,7 @@ class Epochs:
     def begin(self, epoch: int, step: int):
         """Starts epoch `epoch` at its step `step` (a resumed `fit` starts mid-epoch)."""
         self.epoch, self.dropped = epoch, 0
+        self._read_at = None  # the metrics were reset: read them for the first batch
         self.restart(step)
 
     def restart(self, step: int):
@@ -109,12 +120,32 @@ class Epochs:
         """Runs the epoch's remaining steps; returns its logs for `on_epoch_end`."""
         self._steps()
         self._drain()
-        logs = dict(_keras.metrics_result_or_logs(
-            self.model, staleness.without_counts(self.logs)) if self.custom_logs else (
-                self.model.get_metrics_result()))
+        if self.custom_logs:
+            logs = dict(_keras.metrics_result_or_logs(
+                self.model, staleness.without_counts(self.logs)))
+            logs.update(staleness.epoch_logs(self.model, step_functions(self.model),
+                                             self.dropped))
+            return logs
+        return self._logs_so_far()
+
+    def _logs_so_far(self) -> dict:
+        """The epoch's logs as they stand: its metrics' results read on the ps tasks."""
+        logs = dict(self.model.get_metrics_result())
         logs.update(staleness.epoch_logs(self.model, step_functions(self.model),
                                          self.dropped))
         return logs
+
+    def _batch_logs(self) -> dict:
+        """The logs for `on_train_batch_end`: the latest step's, or (where they are the
+        metrics' results) the epoch's so far, read again once `BATCH_LOGS_INTERVAL_S`
+        have passed since the last read: at most that old, with the steps that ran
+        meanwhile (some of them after the batch reported) not in them yet."""
+        if self.custom_logs:
+            return self.logs
+        now = time.monotonic()
+        if self._read_at is None or now - self._read_at >= BATCH_LOGS_INTERVAL_S:
+            self._read_at, self.logs = now, _keras.pythonify_logs(self._logs_so_far())
+        return self.logs
 
     def abandon(self):
         """After an error: waits for the functions still running and drops their results."""
@@ -147,7 +178,7 @@ class Epochs:
                         logs[staleness.DROPPED] = self.dropped
                 self.logs = logs
             if self.call.batch_logs:
-                self.call.callbacks.on_train_batch_end(end, self.logs)
+                self.call.callbacks.on_train_batch_end(end, self._batch_logs())
 
     def _before_steps(self, step: int):
         """Holds until enough workers run, then calls `on_train_batch_begin(step)`."""
@@ -173,9 +204,10 @@ class AsyncEpochs(_RepeatedInput):
 
     def __init__(self, call: FitCall):
         super().__init__(call)
-        # Functions that return logs run where a callback reads them, and where the
-        # step's logs are not the metrics' results (a custom `train_step`): at an
-        # epoch's ends. `prepare` also sends the steady-state function to the workers.
+        # Functions return logs only where the step's logs are not the metrics' results
+        # (a custom `train_step`): at an epoch's ends, and at every step if a callback
+        # reads batch logs (otherwise `_batch_logs` reads the metrics). `prepare` also
+        # sends the steady-state function to the workers.
         self.custom_logs = not prepare(call.coordinator, self.model, self.iterator)
 
     def _steps(self):
@@ -183,8 +215,8 @@ class AsyncEpochs(_RepeatedInput):
         while self._more():
             n = min(self.spe, steps_per_epoch - self.scheduled)
             self._before_steps(self.scheduled)
-            with_logs = self.call.batch_logs or self.custom_logs and (
-                self.first or self.scheduled + n == steps_per_epoch)
+            with_logs = self.custom_logs and (
+                self.call.batch_logs or self.first or self.scheduled + n == steps_per_epoch)
             self.window.schedule(make_train_function(self.model, with_logs),
                                  train_arguments(self.model, self.iterator, n),
                                  self.scheduled + n - 1, steps=n)
