@@ -105,7 +105,20 @@ DRIVER = TRAINING + """
     report("shutdown", dict(
         seconds=time.monotonic() - started, pids=pids, group=group,
         actors={a["ActorID"]: a["State"] for a in ray._private.state.actors().values()},
-        groups={g: v["state"] for g, v in ray.util.placement_group_table().items()}))
+        groups={g: v["state"] for g, v in ray.util.placement_group_table().items()},
+        connected=ray.is_initialized()))
+"""
+
+# A program that never started Ray: `cluster` starts a local one, which stops with it.
+LOCAL_RAY = """
+    import json
+    import kerasps, ray
+
+    with kerasps.ray.cluster(num_workers=1, num_ps=1, placement="pack", init_kwargs=dict(
+            num_cpus=2, include_dashboard=False)) as resolver:
+        print("REPORT", json.dumps({"nodes": len({t.node_id for t in resolver.tasks}),
+                                    "connected": ray.is_initialized()}))
+    print("REPORT", json.dumps({"connected_after": ray.is_initialized()}))
 """
 
 
@@ -117,11 +130,11 @@ def _reports(output: str) -> dict:
     return found
 
 
-def _start(program: str, *args) -> subprocess.Popen:
+def _start(program: str, *args, env=None) -> subprocess.Popen:
     output = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would stop the program
     process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(program), *args],
                                stdout=output, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                               env={**os.environ, "PYTHONPATH": ROOT})
+                               env={**(os.environ if env is None else env), "PYTHONPATH": ROOT})
     process.output = output
     return process
 
@@ -268,6 +281,15 @@ def test_shutdown_leaves_no_actor_placement_group_process_or_port(ray_nodes, run
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert [t["address"] for t in runs.driver["tasks"] if _listening(t["address"])] == []
+    assert shutdown["connected"]  # the driver's own `ray.init`: its Ray is its own to stop
+
+
+@pytest.mark.slow
+def test_a_local_ray_started_for_the_program_stops_with_its_cluster():
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    process = _start(LOCAL_RAY, env=env)
+    reports = _finish(process)
+    assert reports == {"nodes": 1, "connected": True, "connected_after": False}
 
 
 @pytest.mark.slow

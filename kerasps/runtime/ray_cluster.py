@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import numbers
+import os
 import threading
 import time
 
@@ -146,19 +147,30 @@ def _is_placement_group(value) -> bool:
     return isinstance(value, PlacementGroup)
 
 
-# The driver's chief address: one per process, kept for every Ray cluster it makes (a
-# process's TensorFlow context serves the chief on one port).
-_CHIEF = {}
-_CHIEF_LOCK = threading.Lock()
+# A Ray that `cluster` started (its own `ray.init`) and the clusters using it: the last one
+# shut down stops it, so that a program that never started Ray itself is left with none.
+_STARTED = {"ray": False, "users": 0}
+_STARTED_LOCK = threading.Lock()
+
+
+def _release_started_ray(ray, user: bool):
+    """One cluster (`user`) or a failed start no longer needs the Ray `cluster` started:
+    stops it when no cluster uses it."""
+    with _STARTED_LOCK:
+        if user:
+            _STARTED["users"] -= 1
+        if _STARTED["ray"] and _STARTED["users"] <= 0:
+            _STARTED.update(ray=False, users=0)
+            if ray.is_initialized():
+                ray.shutdown()
 
 
 def _chief_address(ip: str) -> str:
+    """A free port of the driver for its chief server. A new one for each cluster: the
+    servers of a cluster this process connected to before keep their ports."""
     import portpicker
 
-    with _CHIEF_LOCK:
-        if ip not in _CHIEF:
-            _CHIEF[ip] = f"{ip}:{portpicker.pick_unused_port()}"
-        return _CHIEF[ip]
+    return f"{ip}:{portpicker.pick_unused_port()}"
 
 
 class RayClusterResolver(tf.distribute.cluster_resolver.SimpleClusterResolver):
@@ -171,12 +183,14 @@ class RayClusterResolver(tf.distribute.cluster_resolver.SimpleClusterResolver):
         placement_group: the Ray placement group holding the tasks.
     """
 
-    def __init__(self, cluster_spec, tasks, actors, placement_group, owns_placement_group):
+    def __init__(self, cluster_spec, tasks, actors, placement_group, owns_placement_group,
+                 uses_started_ray=False):
         super().__init__(cluster_spec, task_type="chief", task_id=0, rpc_layer="grpc")
         self.tasks = tuple(tasks)
         self.placement_group = placement_group
         self._actors = dict(actors)
         self._owns_placement_group = owns_placement_group
+        self._uses_started_ray = uses_started_ray
         self._lock = threading.Lock()
         self._closed = False
         atexit.register(self.shutdown)
@@ -208,8 +222,9 @@ class RayClusterResolver(tf.distribute.cluster_resolver.SimpleClusterResolver):
     def shutdown(self, timeout_s: float = 30.0):
         """Kills every task's actor (no restart) and removes the placement group kerasps
         made; returns once Ray reports the actors dead (or after `timeout_s`). Idempotent.
-        A program that goes on with Ray keeps its Ray; the local Ray `cluster` started
-        stops with the process."""
+        Where `cluster` connected this process to Ray (no `ray.init` of the program's own
+        before it), the last of its clusters shut down disconnects it, and a local Ray it
+        started for the program stops."""
         with self._lock:
             if self._closed:
                 return
@@ -221,6 +236,8 @@ class RayClusterResolver(tf.distribute.cluster_resolver.SimpleClusterResolver):
             return  # Ray is gone, and the actors and placement group with it
         _remove(ray, list(self._actors.values()),
                 self.placement_group if self._owns_placement_group else None, timeout_s)
+        if self._uses_started_ray:
+            _release_started_ray(ray, user=True)
 
     @property
     def closed(self) -> bool:
@@ -300,9 +317,11 @@ def cluster(num_workers: int = 2, num_ps: int = 1, *, worker_resources: dict | N
             `"pack"`, `"strict_pack"`, or a Ray `PlacementGroup` of your own with
             `num_workers + num_ps` bundles (workers' bundles first, then the ps tasks'),
             which `shutdown` leaves in place.
-        address: the Ray cluster to connect to (`ray.init(address=...)`: `"auto"`,
-            `"ray://host:10001"`, a GCS address). `None`: the Ray this process is connected
-            to, else `ray.init()` (a Ray cluster started on this machine, or a local Ray).
+        address: the Ray cluster to connect to (`ray.init(address=...)`: `"auto"` for the
+            one `ray start` started on this machine, `"ray://host:10001"`, `"host:6379"`).
+            `None`: the Ray this process is connected to, else `$RAY_ADDRESS`'s (a Ray Job's
+            driver), else a local Ray started for this program. Ignored when this process
+            is connected to Ray already.
         max_restarts: how many times Ray restarts a task whose process died (on its
             address); `-1`: without limit.
         placement_timeout_s: seconds to wait for Ray to place the tasks (and pick a port on
@@ -349,7 +368,7 @@ def cluster(num_workers: int = 2, num_ps: int = 1, *, worker_resources: dict | N
             "Invalid value for argument `placement`: the placement group has "
             f"{len(placement.bundle_specs)} bundles for {num_workers} workers and {num_ps} ps "
             f"tasks (one bundle per task, workers first). Received: placement={placement!r}")
-    _connect(ray, address, init_kwargs)
+    started = _connect(ray, address, init_kwargs)
 
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -381,19 +400,34 @@ def cluster(num_workers: int = 2, num_ps: int = 1, *, worker_resources: dict | N
         _wait_started(ray, actors, start_timeout_s)
     except BaseException:
         _remove(ray, list(actors.values()), None if own_group else group, 30.0)
+        if started:
+            _release_started_ray(ray, user=False)
         raise
     cluster_lib._enable_fail_fast()
     cluster_lib._enable_keepalive()
     tasks = [RayTask(kind, index, spec[kind][index], places[i]["node_id"], i)
              for i, (kind, index, _) in enumerate(kinds)]
+    with _STARTED_LOCK:
+        uses_started_ray = _STARTED["ray"]
+        _STARTED["users"] += uses_started_ray
     return RayClusterResolver(tf.train.ClusterSpec(spec), tasks, actors, group,
-                              owns_placement_group=not own_group)
+                              owns_placement_group=not own_group,
+                              uses_started_ray=uses_started_ray)
 
 
 def _connect(ray, address, init_kwargs):
-    """Connects this process to Ray, unless it is: `ray.init(address, **init_kwargs)`."""
-    if not ray.is_initialized():
-        ray.init(address=address, **(init_kwargs or {}))
+    """Connects this process to Ray, unless it is: to `address`; without one, to
+    `$RAY_ADDRESS`'s cluster (a Ray Job's driver), else to a local Ray started for it
+    (`address="local"`: never to a cluster an earlier program left recorded on this
+    machine, which may be gone). Returns whether it called `ray.init`."""
+    if ray.is_initialized():
+        return False
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        address = "local"
+    ray.init(address=address, **(init_kwargs or {}))
+    with _STARTED_LOCK:
+        _STARTED.update(ray=True, users=0)
+    return True
 
 
 def _describe(kinds) -> str:
