@@ -9,6 +9,7 @@ read. The same training runs under an in-process cluster in another process, bes
 """
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -63,7 +64,7 @@ IN_PROCESS = TRAINING + """
 """
 
 DRIVER = TRAINING + """
-    import time
+    import tempfile, time
     import ray
 
     ray.init(address=sys.argv[1])
@@ -97,6 +98,28 @@ DRIVER = TRAINING + """
         iterations=int(model.optimizer.iterations.numpy()) - before,
         reexecuted=sum(history.history.get("reexecuted_steps", [0])),
         address_after=resolver.cluster_spec().as_dict()["worker"][0]))
+
+    # The ps task's process SIGKILLed mid-fit: Ray starts it again on its address, empty,
+    # and the same fit restores its variables from the latest backup.
+    model = build(strategy)
+    ps_pid = resolver.pid("ps", 0)
+    done = []
+
+    def kill_ps(batch, logs):
+        done.append(batch)
+        if len(done) == 7:
+            os.kill(ps_pid, signal.SIGKILL)
+
+    history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=2, steps_per_epoch=10,
+                        verbose=0, callbacks=[
+                            keras.callbacks.BackupAndRestore(tempfile.mkdtemp(), save_freq=5),
+                            keras.callbacks.LambdaCallback(on_train_batch_end=kill_ps)])
+    report("ps_killed", dict(
+        pid=ps_pid, pid_after=resolver.pid("ps", 0),
+        iterations=int(model.optimizer.iterations.numpy()),
+        reexecuted=sum(history.history.get("reexecuted_steps", [0])),
+        rolled_back=sum(history.history.get("rolled_back_steps", [0])),
+        loss=history.history["loss"]))
 
     pids = [resolver.pid(t.task_type, t.index) for t in resolver.tasks]
     group = resolver.placement_group.id.hex()
@@ -273,6 +296,17 @@ def test_a_worker_process_killed_mid_fit_is_restarted_on_its_address_and_every_s
 
 
 @pytest.mark.slow
+def test_a_ps_process_killed_mid_fit_is_restored_from_the_backup_inside_the_same_fit(runs):
+    killed = runs.driver["ps_killed"]
+    assert killed["pid_after"] != killed["pid"]
+    # The same fit went on from the backup: every requested step ran once on the restored
+    # state, at most `save_freq` steps were run again.
+    assert killed["iterations"] == 20 + killed["reexecuted"]
+    assert 0 < killed["rolled_back"] <= 5
+    assert all(math.isfinite(loss) for loss in killed["loss"])
+
+
+@pytest.mark.slow
 def test_shutdown_leaves_no_actor_placement_group_process_or_port(ray_nodes, runs):
     shutdown = runs.driver["shutdown"]
     assert shutdown["actors"] and set(shutdown["actors"].values()) == {"DEAD"}
@@ -308,6 +342,23 @@ def test_resources_ray_cannot_place_raise_within_the_deadline_and_leave_nothing(
     assert "1 worker task(s) of {'CPU': 2}" in message and "'CPU': 2.0" in message, message
     groups = ray.util.placement_group_table()
     assert {groups[g]["state"] for g in set(groups) - before} == {"REMOVED"}
+
+
+@pytest.mark.slow
+def test_a_placement_group_of_ones_own_must_have_a_bundle_per_task_and_no_resources(ray_nodes):
+    import ray
+
+    import kerasps.ray
+
+    group = ray.util.placement_group([{"CPU": 0.5}] * 3)
+    try:
+        with pytest.raises(ValueError, match="has 3 bundles for 1 workers and 1 ps tasks"):
+            kerasps.ray.cluster(num_workers=1, num_ps=1, placement=group)
+        with pytest.raises(ValueError, match="Received: worker_resources={'CPU': 1}"):
+            kerasps.ray.cluster(num_workers=2, num_ps=1, placement=group,
+                                worker_resources={"CPU": 1})
+    finally:
+        ray.util.remove_placement_group(group)
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ import atexit
 import dataclasses
 import numbers
 import os
+import sys
 import threading
 import time
 
@@ -140,11 +141,10 @@ def _actor_options(resources: dict) -> dict:
 
 
 def _is_placement_group(value) -> bool:
-    try:
-        from ray.util.placement_group import PlacementGroup
-    except ImportError:
-        return False
-    return isinstance(value, PlacementGroup)
+    """Whether `value` is a Ray `PlacementGroup` (without importing Ray: a program that made
+    one imported it)."""
+    module = sys.modules.get("ray.util.placement_group")
+    return module is not None and isinstance(value, module.PlacementGroup)
 
 
 # A Ray that `cluster` started (its own `ray.init`) and the clusters using it: the last one
@@ -316,7 +316,8 @@ def cluster(num_workers: int = 2, num_ps: int = 1, *, worker_resources: dict | N
             nodes as can hold them), `"strict_spread"` (one task per node, or an error),
             `"pack"`, `"strict_pack"`, or a Ray `PlacementGroup` of your own with
             `num_workers + num_ps` bundles (workers' bundles first, then the ps tasks'),
-            which `shutdown` leaves in place.
+            each task asking for its bundle's resources (give no `worker_resources` or
+            `ps_resources` then); `shutdown` leaves the group in place.
         address: the Ray cluster to connect to (`ray.init(address=...)`: `"auto"` for the
             one `ray start` started on this machine, `"ray://host:10001"`, `"host:6379"`).
             `None`: the Ray this process is connected to, else `$RAY_ADDRESS`'s (a Ray Job's
@@ -343,9 +344,15 @@ def cluster(num_workers: int = 2, num_ps: int = 1, *, worker_resources: dict | N
     """
     num_workers = positive_int("num_workers", num_workers)
     num_ps = positive_int("num_ps", num_ps)
+    own_group = _is_placement_group(placement)
+    if own_group and (worker_resources is not None or ps_resources is not None):
+        raise ValueError(
+            "Invalid value for argument `worker_resources` or `ps_resources`: with a "
+            "placement group of your own, each task asks for its bundle's resources; give "
+            f"none. Received: worker_resources={worker_resources!r}, "
+            f"ps_resources={ps_resources!r}")
     worker_resources = _resources("worker_resources", worker_resources, gpus=True)
     ps_resources = _resources("ps_resources", ps_resources, gpus=False)
-    own_group = _is_placement_group(placement)
     if not own_group and placement not in PLACEMENTS:
         raise ValueError(
             f"Invalid value for argument `placement`: expected one of {list(PLACEMENTS)} or a "
@@ -374,6 +381,9 @@ def cluster(num_workers: int = 2, num_ps: int = 1, *, worker_resources: dict | N
 
     kinds = [("worker", i, worker_resources) for i in range(num_workers)] + [
         ("ps", i, ps_resources) for i in range(num_ps)]
+    if own_group:  # each task fills its bundle
+        kinds = [(kind, index, dict(bundle))
+                 for (kind, index, _), bundle in zip(kinds, placement.bundle_specs)]
     group = placement if own_group else ray.util.placement_group(
         [resources for _, _, resources in kinds], strategy=PLACEMENTS[placement],
         name=f"kerasps-{num_workers}w{num_ps}ps")
