@@ -232,10 +232,9 @@ class RayClusterResolver(tf.distribute.cluster_resolver.SimpleClusterResolver):
         atexit.unregister(self.shutdown)
         import ray
 
-        if not ray.is_initialized():
-            return  # Ray is gone, and the actors and placement group with it
-        _remove(ray, list(self._actors.values()),
-                self.placement_group if self._owns_placement_group else None, timeout_s)
+        if ray.is_initialized():  # else Ray is gone, and the actors and group with it
+            _remove(ray, list(self._actors.values()),
+                    self.placement_group if self._owns_placement_group else None, timeout_s)
         if self._uses_started_ray:
             _release_started_ray(ray, user=True)
 
