@@ -15,7 +15,12 @@ second (training steps of one worker batch, summed over workers):
   callback (counts `on_train_batch_end` calls);
 * ``kerasps+unrolled``: `verbose=0` with Keras' `model.unrolled_steps_per_execution
   = steps_per_execution` (no `tf.while_loop` in the scheduled function);
-* ``keras3``: single-process Keras 3 `model.fit`, no strategy, same batch.
+* ``keras3``: single-process Keras 3 `model.fit`, no strategy, same batch;
+* ``tf_keras+auto``: tf_keras with its default `verbose="auto"`, what its users
+  get: one line per epoch (under ParameterServerStrategy tf_keras makes "auto" 2
+  and refuses `verbose=1`, "for performance reasons");
+* ``keras3+progbar``: single-process Keras 3 with `verbose=1`, the live bar its
+  users see by default in a terminal or a notebook.
 
 each at `steps_per_execution` 1 and 10. Every configuration runs in its own
 subprocess (in-process TF servers cannot be shut down, and tf_keras and
@@ -31,7 +36,10 @@ one timed `fit` of `--steps` steps; steps/s is `steps / wall time of fit`.
 
 Targets, at both settings: kerasps / tf_keras >= 1.0 on whole `fit`
 calls and >= 1.2 on the training loop alone (`on_train_begin` to
-`on_train_end`); CPU ms per step is reported next to them.
+`on_train_end`), with `verbose=0` and with the bar (default against default);
+the bar and a batch callback at >= 0.9 of kerasps' `verbose=0` steps/s; CPU ms
+per step at spe 10 within 1.3x single-process Keras 3's, with `verbose=0` and
+with the bar. Each is printed with its measured value.
 """
 
 from __future__ import annotations
@@ -56,12 +64,26 @@ BATCH = 64  # per worker
 MIN_SHARD_BYTES = 256 << 10
 MAX_SHARDS = 2
 
-CONFIGS = ("tf_keras", "kerasps", "kerasps+progbar", "kerasps+callback", "kerasps+unrolled",
-           "keras3")
+CONFIGS = ("tf_keras", "tf_keras+auto", "kerasps", "kerasps+progbar", "kerasps+callback",
+           "kerasps+unrolled", "keras3", "keras3+progbar")
 ANCHOR = "tf_keras"
 BASELINE = "kerasps"  # callback rows are also compared to this
 RESULT_PREFIX = "FIT_THROUGHPUT_RESULT "
 TARGETS = {"steps_per_s": 1.0, "loop_steps_per_s": 1.2}  # kerasps / tf_keras
+# What users run by default: (label, numerator, denominator, measure, spe or None for
+# every spe, the bound, whether the ratio must be at least (True) or at most the bound).
+DEFAULT_TARGETS = (
+    ("default fit, kerasps bar / tf_keras default", "kerasps+progbar", "tf_keras+auto",
+     "steps_per_s", None, 1.0, True),
+    ("bar cost, kerasps bar / verbose=0", "kerasps+progbar", "kerasps", "steps_per_s", None,
+     0.9, True),
+    ("batch callback cost, callback / verbose=0", "kerasps+callback", "kerasps", "steps_per_s",
+     None, 0.9, True),
+    ("CPU per step, kerasps / keras3 (verbose=0)", "kerasps", "keras3", "cpu_ms_per_step", 10,
+     1.3, False),
+    ("CPU per step, kerasps bar / keras3 bar", "kerasps+progbar", "keras3+progbar",
+     "cpu_ms_per_step", 10, 1.3, False),
+)
 
 
 # -- the workload ---------------------------------------------------------------------
@@ -131,7 +153,9 @@ def _timed_fit(model, data, steps, warmup, callback_base, verbose=0, callbacks=(
     """One warm-up `fit` (traces), then one timed `fit` of `steps` steps."""
     import gc
 
+    start = time.perf_counter()
     model.fit(data, epochs=1, steps_per_epoch=warmup, verbose=0)
+    warmup_seconds = time.perf_counter() - start  # mostly tracing and instantiating
     timer = _loop_timer(callback_base)
     gc.collect()  # free the warm-up fit's functions and iterators before timing
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
@@ -144,6 +168,7 @@ def _timed_fit(model, data, steps, warmup, callback_base, verbose=0, callbacks=(
     # The whole cluster (coordinator, workers, ps) runs in this process, so its CPU
     # time per step is the work a step costs, much less sensitive to machine load.
     return {"seconds": seconds, "steps_per_s": steps / seconds,
+            "warmup_seconds": warmup_seconds,
             "cpu_ms_per_step": 1000 * cpu / steps,
             "loop_seconds": timer.end - timer.begin,
             "loop_steps_per_s": steps / (timer.end - timer.begin),
@@ -181,7 +206,7 @@ def _run_kerasps(spe, steps, warmup, variant):
     return {**result, **extra}
 
 
-def _run_tf_keras(spe, steps, warmup):
+def _run_tf_keras(spe, steps, warmup, variant=None):
     # The TensorFlow tutorial's in-process cluster ("Parameter server training
     # with ParameterServerStrategy"): workers get num_workers + 1 inter-op threads.
     os.environ["GRPC_FAIL_FAST"] = "use_caller"
@@ -216,29 +241,28 @@ def _run_tf_keras(spe, steps, warmup):
         {tf.DeviceSpec.from_string(v.device).task for v in getattr(embedding, "variables",
                                                                     [embedding])})}
     data = tf_keras.utils.experimental.DatasetCreator(_dataset_fn)
-    result = _timed_fit(model, data, steps, warmup, tf_keras.callbacks.Callback)
+    result = _timed_fit(model, data, steps, warmup, tf_keras.callbacks.Callback,
+                        verbose="auto" if variant == "auto" else 0)
     return {**result, **extra}
 
 
-def _run_keras3(spe, steps, warmup):
+def _run_keras3(spe, steps, warmup, variant=None):
     import keras
 
     model = _build_model(keras)
     model.compile(keras.optimizers.Adam(), "mse", steps_per_execution=spe)
-    return _timed_fit(model, _dataset_fn(), steps, warmup, keras.callbacks.Callback)
+    return _timed_fit(model, _dataset_fn(), steps, warmup, keras.callbacks.Callback,
+                      verbose=1 if variant == "progbar" else 0)
 
 
 def run_one(config, spe, steps, warmup):
     """Runs one configuration in this process; returns its result record."""
-    if config == "tf_keras":
-        result = _run_tf_keras(spe, steps, warmup)
-    elif config == "keras3":
-        result = _run_keras3(spe, steps, warmup)
-    elif config.startswith("kerasps"):
-        result = _run_kerasps(spe, steps, warmup, config.partition("+")[2] or None)
-    else:
+    if config not in CONFIGS:
         raise ValueError(f"Invalid value for argument `--one`: expected one of "
                          f"{list(CONFIGS)}. Received: {config!r}")
+    name, _, variant = config.partition("+")
+    run = {"tf_keras": _run_tf_keras, "keras3": _run_keras3, "kerasps": _run_kerasps}[name]
+    result = run(spe, steps, warmup, variant or None)
     return {"config": config, "spe": spe, "steps": steps, "warmup": warmup, **result}
 
 
@@ -308,15 +332,18 @@ def summarize(results, configs, spes):
             value, runs = _median(results, config, spe, "steps_per_s")
             loop, _ = _median(results, config, spe, "loop_steps_per_s")
             cpu, _ = _median(results, config, spe, "cpu_ms_per_step")
+            warmup_s, _ = _median(results, config, spe, "warmup_seconds")
             rows.append({
                 "config": config, "spe": spe, "steps_per_s": value, "runs": runs,
                 "vs_tf_keras": value / anchor if value and anchor else None,
-                "vs_kerasps": value / base if value and base and "+" in config else None,
+                "vs_kerasps": (value / base if value and base and config.startswith(BASELINE + "+")
+                               else None),
                 "loop_steps_per_s": loop,
                 "loop_vs_tf_keras": loop / anchor_loop if loop and anchor_loop else None,
                 "cpu_ms_per_step": cpu,
                 # > 1 means cheaper than tf_keras (less CPU per step).
                 "cpu_vs_tf_keras": anchor_cpu / cpu if cpu and anchor_cpu else None,
+                "warmup_seconds": warmup_s,
             })
         verdicts[spe] = {}
         for key in TARGETS:
@@ -325,12 +352,41 @@ def summarize(results, configs, spes):
     return rows, verdicts
 
 
+def default_targets(results, spes) -> list[dict]:
+    """Each of `DEFAULT_TARGETS` at each spe it applies to, with its measured ratio
+    (None where a configuration did not run) and whether it is met."""
+    out = []
+    for label, top, bottom, measure, only_spe, bound, at_least in DEFAULT_TARGETS:
+        for spe in spes:
+            if only_spe is not None and spe != only_spe:
+                continue
+            a, b = (_median(results, c, spe, measure)[0] for c in (top, bottom))
+            ratio = a / b if a and b else None
+            met = None if ratio is None else (ratio >= bound if at_least else ratio <= bound)
+            out.append({"target": label, "spe": spe, "ratio": ratio, "bound": bound,
+                        "at_least": at_least, "met": met})
+    return out
+
+
+def default_targets_lines(targets) -> list[str]:
+    lines = []
+    for t in targets:
+        if t["ratio"] is None:
+            continue
+        sign = ">=" if t["at_least"] else "<="
+        verdict = "meets" if t["met"] else (
+            f"MISSES by {abs(t['ratio'] - t['bound']) / t['bound']:.0%}")
+        lines.append(f"- {t['target']}, spe {t['spe']}: {t['ratio']:.2f} (target {sign} "
+                     f"{t['bound']}: {verdict})")
+    return lines
+
+
 def markdown(rows, verdicts, meta):
     lines = [
         "| config | spe | steps/s | ratio to tf_keras | ratio to kerasps verbose=0 "
         "| runs (steps/s) | loop steps/s | loop ratio to tf_keras | CPU ms/step "
-        "| tf_keras CPU / CPU |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+        "| tf_keras CPU / CPU | warm-up fit s |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         runs = ", ".join(f"{v:.1f}" for v in row["runs"]) or "failed"
@@ -339,7 +395,8 @@ def markdown(rows, verdicts, meta):
             f"| {row['config']} | {row['spe']} | {_fmt(row['steps_per_s'], 1)} "
             f"| {_fmt(row['vs_tf_keras'])} | {vs_base} | {runs} "
             f"| {_fmt(row['loop_steps_per_s'], 1)} | {_fmt(row['loop_vs_tf_keras'])} "
-            f"| {_fmt(row['cpu_ms_per_step'], 1)} | {_fmt(row['cpu_vs_tf_keras'])} |")
+            f"| {_fmt(row['cpu_ms_per_step'], 1)} | {_fmt(row['cpu_vs_tf_keras'])} "
+            f"| {_fmt(row.get('warmup_seconds'), 1)} |")
     verdict = "; ".join(
         f"{'loop' if key.startswith('loop') else 'fit'} spe={spe}: {_fmt(v)} "
         f"({'meets' if v is not None and v >= TARGETS[key] else 'MISSES'} {TARGETS[key]})"
@@ -350,11 +407,14 @@ def markdown(rows, verdicts, meta):
         f"Targets kerasps/tf_keras (medians; fit >= {TARGETS['steps_per_s']}, loop >= "
         f"{TARGETS['loop_steps_per_s']}): {verdict}.",
         "",
+        *(["Targets for what users run by default (medians):",
+              *meta["default_targets"], ""] if meta.get("default_targets") else []),
         f"steps/s: `--steps` / wall time of one `fit` (after a warm-up `fit`); loop steps/s: "
         f"the same steps / time from `on_train_begin` to `on_train_end` (excludes per-`fit` "
-        f"input setup); CPU ms/step: CPU time of the whole process (coordinator, workers and "
-        f"ps run in it) during the timed `fit` / steps, the figure least disturbed by other "
-        f"load on the machine. Median of {meta['repeats']} interleaved repeats, "
+        f"input setup); warm-up fit s: the untimed first `fit` (tracing, instantiating on the "
+        f"workers, and its steps); CPU ms/step: CPU time of the whole process (coordinator, "
+        f"workers and ps run in it) during the timed `fit` / steps, the figure least "
+        f"disturbed by other load on the machine. Median of {meta['repeats']} interleaved repeats, "
         f"{meta['steps']} timed steps, warm-up {meta['warmup']} steps. tensorflow "
         f"{v['tensorflow']}, keras {v['keras']}, tf_keras {v['tf-keras']}, kerasps "
         f"{v['kerasps']}, python "
@@ -392,7 +452,7 @@ def main(argv=None):
     args.configs = args.configs or (["tf_keras", "kerasps", "kerasps+callback"] if args.quick
                                     else list(CONFIGS))
     if args.no_anchor or importlib.util.find_spec("tf_keras") is None:
-        args.configs = [c for c in args.configs if c != ANCHOR]
+        args.configs = [c for c in args.configs if c.partition("+")[0] != ANCHOR]
 
     if args.one:
         if len(args.spe) != 1:
@@ -408,6 +468,8 @@ def main(argv=None):
             saved = json.load(f)
         configs = list(dict.fromkeys(r["config"] for r in saved["results"]))
         spes = sorted({r["spe"] for r in saved["results"]})
+        saved["meta"]["default_targets"] = default_targets_lines(
+            default_targets(saved["results"], spes))
         print(markdown(*summarize(saved["results"], configs, spes), saved["meta"]))
         return 0
 
@@ -436,12 +498,15 @@ def main(argv=None):
                       flush=True)
     meta["load_after"] = _loadavg()
     rows, verdicts = summarize(results, args.configs, args.spe)
+    targets = default_targets(results, args.spe)
+    meta["default_targets"] = default_targets_lines(targets)
     print()
     print(markdown(rows, verdicts, meta))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results, "rows": rows,
-                       "verdicts": {str(k): v for k, v in verdicts.items()}}, f, indent=1)
+                       "verdicts": {str(k): v for k, v in verdicts.items()},
+                       "default_targets": targets}, f, indent=1)
     failed = [r for r in results if "error" in r]
     return 1 if failed else 0
 
