@@ -7,7 +7,8 @@ from kerasps.runtime.ray_cluster import (
     RayClusterResolver,
     RayTask,
     cluster,
+    from_environment,
 )
 
-__all__ = ["cluster", "RayClusterResolver", "RayTask", "PLACEMENTS", "MIN_RAY_VERSION",
-           "DEFAULT_RESOURCES"]
+__all__ = ["cluster", "from_environment", "RayClusterResolver", "RayTask", "PLACEMENTS",
+           "MIN_RAY_VERSION", "DEFAULT_RESOURCES"]

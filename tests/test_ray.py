@@ -130,6 +130,29 @@ DRIVER = TRAINING + """
         actors={a["ActorID"]: a["State"] for a in ray._private.state.actors().values()},
         groups={g: v["state"] for g, v in ray.util.placement_group_table().items()},
         connected=ray.is_initialized()))
+
+    # A task whose restart budget is spent ends the running fit (one worker: it would wait
+    # for the worker for good), as under `kerasps launch`.
+    resolver = kerasps.ray.cluster(num_workers=1, num_ps=1, max_restarts=0)
+    model = build(kerasps.ParameterServerStrategy(resolver))
+    worker = resolver.tasks[0]
+    pid, killed = resolver.pid("worker", 0), []
+
+    def kill_for_good(batch, logs):
+        if batch == 3 and not killed:
+            killed.append(time.monotonic())
+            os.kill(pid, signal.SIGKILL)
+
+    try:
+        model.fit(kerasps.DatasetCreator(dataset_fn), epochs=2, steps_per_epoch=20, verbose=0,
+                  callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=kill_for_good)])
+        raised = None
+    except kerasps.TaskFailedError as e:
+        raised = str(e)
+    report("budget_spent", dict(error=raised, seconds=time.monotonic() - killed[0],
+                                node=worker.node_id, address=worker.address,
+                                failure=resolver.failure))
+    resolver.shutdown()
 """
 
 # A program that never started Ray: `cluster` starts a local one, which stops with it.
@@ -316,6 +339,18 @@ def test_shutdown_leaves_no_actor_placement_group_process_or_port(ray_nodes, run
             os.kill(pid, 0)
     assert [t["address"] for t in runs.driver["tasks"] if _listening(t["address"])] == []
     assert shutdown["connected"]  # the driver's own `ray.init`: its Ray is its own to stop
+
+
+@pytest.mark.slow
+def test_a_task_whose_restart_budget_is_spent_ends_the_fit_naming_it(runs):
+    spent = runs.driver["budget_spent"]
+    assert spent["seconds"] < 20, spent  # not a wait for good
+    assert spent["error"] is not None, spent
+    assert spent["error"].startswith("The job failed: worker 0 (Ray actor at "
+                                     f"{spent['address']} on node {spent['node'][:8]}) died "
+                                     "and its restart budget is spent (0 restarts of "
+                                     "max_restarts=0)"), spent
+    assert spent["failure"] in spent["error"]
 
 
 @pytest.mark.slow

@@ -29,6 +29,9 @@ WORKERS_WANTED_ENV = "KERASPS_WORKERS_WANTED"
 CONNECTED_ENV = "KERASPS_CONNECTED"
 # The task a process of the job runs (`"worker 1"`), for its process title.
 TASK_ENV = "KERASPS_TASK"
+# `kerasps launch --engine ray`: the job's Ray tasks, as JSON (`num_workers`, `num_ps`,
+# `max_restarts`, `address`, `worker_resources`), for the chief's `resolve()`.
+RAY_JOB_ENV = "KERASPS_RAY_JOB"
 
 
 class TaskFailedError(RuntimeError):
@@ -114,21 +117,74 @@ def quiet_interrupts():
 
 
 # -- in the chief --------------------------------------------------------------------------
-def install_chief_handler():
+# A reason given in this process (`fail_chief`), read by the handler before the report file;
+# the reason the handler raised (`job_failed`).
+_FAILURE = {"reason": None, "raised": None}
+
+
+def job_failed() -> str | None:
+    """Why the job failed, once `TaskFailedError` was raised in this process (a task's
+    restart budget is spent), else `None`: functions still running need not be waited
+    for (they may wait for a task that will not come back)."""
+    return _FAILURE["raised"]
+
+
+def install_chief_handler(anywhere: bool = False) -> bool:
     """Under `kerasps launch`, makes the launcher's SIGTERM raise `TaskFailedError` with
-    its reason in the chief's main thread (a no-op elsewhere)."""
+    its reason in the chief's main thread (a no-op elsewhere).
+
+    Args:
+        anywhere: install it outside `kerasps launch` too (a Ray driver, whose tasks'
+            actors `fail_chief` reports on). A SIGTERM without a reason then goes to the
+            handler that was there before (Ray's), where there was one.
+
+    Returns:
+        Whether the handler is installed (only the main thread can install it).
+    """
     report = os.environ.get(REPORT_ENV)
-    if not report or threading.current_thread() is not threading.main_thread():
-        return
+    if (not report and not anywhere) or threading.current_thread() is not threading.main_thread():
+        return False
+    previous = signal.getsignal(signal.SIGTERM)
+    if getattr(previous, "_kerasps_chief", False):
+        return True
 
     def on_sigterm(signum, frame):
-        try:
-            with open(report) as f:
-                reason = f.read().strip()
-        except OSError:
-            reason = ""
-        if not reason:
-            raise SystemExit(128 + signum)  # the job is being stopped (Ctrl-C)
-        raise TaskFailedError(f"The job failed: {reason}.")
+        reason, _FAILURE["reason"] = _FAILURE["reason"], None
+        if not reason and report:
+            try:
+                with open(report) as f:
+                    reason = f.read().strip()
+            except OSError:
+                reason = ""
+        if reason:
+            _FAILURE["raised"] = reason
+            raise TaskFailedError(f"The job failed: {reason}.")
+        if callable(previous):
+            return previous(signum, frame)
+        raise SystemExit(128 + signum)  # the job is being stopped (Ctrl-C)
 
+    on_sigterm._kerasps_chief = True
     signal.signal(signal.SIGTERM, on_sigterm)
+    return True
+
+
+def fail_chief(reason: str) -> bool:
+    """From any thread of the chief, ends the job as the launcher ends it when a task's
+    restart budget is spent: `TaskFailedError` naming `reason` is raised in the chief's
+    main thread (wherever it is: inside `fit`, between two calls), through the handler of
+    `install_chief_handler`. Under `kerasps launch` the reason is also written to the
+    launcher's report file, so that the launcher ends the job rather than restart the
+    chief.
+
+    Returns:
+        Whether the main thread was told (False: no handler installed, nothing done).
+    """
+    handler = signal.getsignal(signal.SIGTERM)
+    if not getattr(handler, "_kerasps_chief", False):
+        return False
+    _FAILURE["reason"] = reason
+    report = os.environ.get(REPORT_ENV)
+    if report:
+        _write_atomically(report, reason)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+    return True

@@ -17,7 +17,9 @@ A task's actor is created with `max_restarts`: when its process dies (a SIGKILL,
 memory kill), Ray starts it again with the same arguments in the same bundle, so on the same
 node and port, and the coordinator finds it again on its address, as it finds a task that
 `kerasps launch` restarted: a worker rejoins the running `fit`; a ps task comes back
-empty and `fit` restores it from its `keras.callbacks.BackupAndRestore`.
+empty and `fit` restores it from its `keras.callbacks.BackupAndRestore`. Once a task's
+restarts are spent, Ray reports its actor dead; the resolver's watcher then ends the job as
+`kerasps launch` does, with a `kerasps.launch.TaskFailedError` in the driver's main thread.
 
 Ray is imported only by `cluster` (`import kerasps` does not import it); without Ray,
 `cluster` raises an `ImportError` naming the `kerasps[ray]` extra.
@@ -36,11 +38,10 @@ import time
 import tensorflow as tf
 
 from kerasps.policy._validation import positive_int
-from kerasps.runtime import cluster as cluster_lib
-from kerasps.runtime import ray_server
+from kerasps.runtime import launch_env, ray_server, servers
 
-__all__ = ["cluster", "RayClusterResolver", "RayTask", "PLACEMENTS", "MIN_RAY_VERSION",
-           "DEFAULT_RESOURCES"]
+__all__ = ["cluster", "from_environment", "RayClusterResolver", "RayTask", "PLACEMENTS",
+           "MIN_RAY_VERSION", "DEFAULT_RESOURCES"]
 
 MIN_RAY_VERSION = (2, 9)
 # `placement` -> Ray's placement-group strategy.
@@ -49,6 +50,7 @@ PLACEMENTS = {"spread": "SPREAD", "strict_spread": "STRICT_SPREAD", "pack": "PAC
 DEFAULT_RESOURCES = {"CPU": 1}  # what one task asks Ray for, unless told otherwise
 _INSTALL = 'pip install "kerasps[ray]"'
 _POLL_S = 0.05  # between two looks at a placement group or an actor being removed
+WATCH_INTERVAL_S = 0.5  # between two looks at the tasks' actors, for one dead for good
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,22 +180,67 @@ class RayClusterResolver(tf.distribute.cluster_resolver.SimpleClusterResolver):
     `chief`, each worker and ps task an actor. Shut it down with `shutdown()`, or use it as
     a context manager; the process's exit shuts it down too.
 
+    A thread watches the tasks' actors: when Ray reports one dead for good (its
+    `max_restarts` spent), `kerasps.launch.TaskFailedError` naming the task, its node and
+    the restarts used is raised in the main thread (the running `fit` ends with it), as
+    when a task's restart budget is spent under `kerasps launch`; a program whose main
+    thread cannot take a signal handler gets the reason on stderr and in `failure`.
+
     Attributes:
         tasks: a `RayTask` per worker and ps task, workers first.
         placement_group: the Ray placement group holding the tasks.
+        max_restarts: the restarts Ray allows each task's actor (`-1`: no limit).
+        failure: why the job failed (a task's actor dead for good), or `None`.
     """
 
     def __init__(self, cluster_spec, tasks, actors, placement_group, owns_placement_group,
-                 uses_started_ray=False):
+                 uses_started_ray=False, max_restarts=3):
         super().__init__(cluster_spec, task_type="chief", task_id=0, rpc_layer="grpc")
         self.tasks = tuple(tasks)
         self.placement_group = placement_group
+        self.max_restarts = max_restarts
+        self.failure = None
         self._actors = dict(actors)
         self._owns_placement_group = owns_placement_group
         self._uses_started_ray = uses_started_ray
         self._lock = threading.Lock()
         self._closed = False
+        self._watching = threading.Event()
         atexit.register(self.shutdown)
+        # SIGTERM (from `fail_chief`) raises `TaskFailedError` in the main thread; Ray's
+        # own handler (`ray.init`'s) still ends the driver on any other SIGTERM.
+        launch_env.install_chief_handler(anywhere=True)
+        self._watcher = threading.Thread(target=self._watch, name="kerasps-ray-watcher",
+                                         daemon=True)
+        self._watcher.start()
+
+    def _watch(self):
+        """Looks at the tasks' actors every `WATCH_INTERVAL_S` until `shutdown`: the first
+        one Ray reports dead for good (its `max_restarts` spent) ends the job, as a task
+        whose restart budget is spent ends a `kerasps launch` job (`_fail`)."""
+        import ray
+
+        by_id = {self._actors[task.task_type, task.index]._actor_id.hex(): task
+                 for task in self.tasks}
+        while not self._watching.wait(WATCH_INTERVAL_S):
+            for actor_id, task in by_id.items():
+                if self._closed or not ray.is_initialized():
+                    return
+                try:
+                    info = ray._private.state.actors(actor_id=actor_id)
+                except Exception:  # noqa: BLE001 - Ray going away; looked at again
+                    continue
+                if info and info.get("State") == "DEAD" and not self._closed:
+                    self._fail(_death(task, info, self.max_restarts))
+                    return
+
+    def _fail(self, reason: str):
+        """Ends the running `fit` (or whatever the main thread does) with
+        `kerasps.launch.TaskFailedError` naming `reason`, as `kerasps launch` does."""
+        self.failure = reason
+        if not launch_env.fail_chief(reason):  # not the main thread's handler: say it
+            print(f"kerasps.ray: the job failed: {reason}. The cluster cannot train any "
+                  "more; shut it down.", file=sys.stderr, flush=True)
 
     def _key(self, task_type: str, index: int):
         key = (task_type, index)
@@ -229,6 +276,7 @@ class RayClusterResolver(tf.distribute.cluster_resolver.SimpleClusterResolver):
             if self._closed:
                 return
             self._closed = True
+        self._watching.set()
         atexit.unregister(self.shutdown)
         import ray
 
@@ -289,7 +337,8 @@ def _actor_state(ray, actor_id: str):
 def cluster(num_workers: int = 2, num_ps: int = 1, *, worker_resources: dict | None = None,
             ps_resources: dict | None = None, placement="spread", address: str | None = None,
             max_restarts: int = 3, placement_timeout_s: float = 60.0,
-            start_timeout_s: float = 300.0, init_kwargs: dict | None = None):
+            start_timeout_s: float = 300.0, init_kwargs: dict | None = None,
+            announce: bool = False):
     """Starts the worker and ps tasks as Ray actors and returns their cluster's resolver.
 
     Each task is one Ray actor (a process) serving a `tf.distribute.Server` on a free
@@ -323,12 +372,17 @@ def cluster(num_workers: int = 2, num_ps: int = 1, *, worker_resources: dict | N
             driver), else a local Ray started for this program. Ignored when this process
             is connected to Ray already.
         max_restarts: how many times Ray restarts a task whose process died (on its
-            address); `-1`: without limit.
+            address); `-1`: without limit. One more death ends the job, as under
+            `kerasps launch`: `kerasps.launch.TaskFailedError` is raised in the driver's
+            main thread (in the running `fit`), naming the task, its node and the
+            restarts used.
         placement_timeout_s: seconds to wait for Ray to place the tasks (and pick a port on
             each one's node) before raising.
         start_timeout_s: seconds to wait for every task's server to start.
         init_kwargs: more arguments of `ray.init`, when `cluster` calls it
             (`{"num_cpus": 8}`, `{"runtime_env": {...}}`).
+        announce: each task prints where it serves when its server starts (again after a
+            restart), as `kerasps serve` does; Ray forwards the line to the driver.
 
     Returns:
         A `RayClusterResolver` (a `tf.distribute.cluster_resolver.SimpleClusterResolver`,
@@ -336,6 +390,8 @@ def cluster(num_workers: int = 2, num_ps: int = 1, *, worker_resources: dict | N
 
     Raises:
         ImportError: if Ray is not installed (`pip install "kerasps[ray]"`).
+        kerasps.launch.TaskFailedError: later, in the main thread, when a task's actor is
+            dead for good (see `max_restarts`).
         RuntimeError: if Ray is older than `MIN_RAY_VERSION`; if Ray cannot place the tasks
             within `placement_timeout_s` (the message names what was asked and what the
             cluster has; nothing is left behind); if a task's server did not start.
@@ -405,15 +461,15 @@ def cluster(num_workers: int = 2, num_ps: int = 1, *, worker_resources: dict | N
                 **_actor_options(resources), max_restarts=max_restarts, max_task_retries=0,
                 scheduling_strategy=in_bundle(i),
                 name=None).remote(spec, kind, index, resources.get("CPU", 0),
-                                  hide_gpus=not resources.get("GPU", 0))
+                                  hide_gpus=not resources.get("GPU", 0), announce=announce)
         _wait_started(ray, actors, start_timeout_s)
     except BaseException:
         _remove(ray, list(actors.values()), None if own_group else group, 30.0)
         if started:
             _release_started_ray(ray, user=False)
         raise
-    cluster_lib._enable_fail_fast()
-    cluster_lib._enable_keepalive()
+    servers._enable_fail_fast()
+    servers._enable_keepalive()
     tasks = [RayTask(kind, index, spec[kind][index], places[i]["node_id"], i)
              for i, (kind, index, _) in enumerate(kinds)]
     with _STARTED_LOCK:
@@ -421,7 +477,52 @@ def cluster(num_workers: int = 2, num_ps: int = 1, *, worker_resources: dict | N
         _STARTED["users"] += uses_started_ray
     return RayClusterResolver(tf.train.ClusterSpec(spec), tasks, actors, group,
                               owns_placement_group=not own_group,
-                              uses_started_ray=uses_started_ray)
+                              uses_started_ray=uses_started_ray, max_restarts=max_restarts)
+
+
+def _death(task: RayTask, info: dict, max_restarts: int) -> str:
+    """Why the job ends: `task`'s actor is dead for good (Ray's actor table `info`)."""
+    node = (info.get("Address") or {}).get("NodeID") or task.node_id
+    restarts = info.get("NumRestarts", 0)
+    budget = "no limit" if max_restarts < 0 else f"max_restarts={max_restarts}"
+    reason = (f"{task.name} (Ray actor at {task.address} on node {node[:8]}) died and its "
+              f"restart budget is spent ({restarts} restart{'s' * (restarts != 1)} of "
+              f"{budget})")
+    cause = _cause(info.get("DeathCause"))
+    return f"{reason}: {cause}" if cause else reason
+
+
+def _cause(death_cause) -> str:
+    """The first sentence of Ray's reason for an actor's death, or ""."""
+    try:
+        context = getattr(death_cause, death_cause.WhichOneof("context"))
+        message = str(context.error_message).strip()
+    except Exception:  # noqa: BLE001 - no cause, or another Ray's message
+        return ""
+    first = message.split(". ")[0].rstrip(".")
+    return first if len(first) <= 200 else first[:197] + "..."
+
+
+def from_environment():
+    """The cluster of `kerasps launch --engine ray` (`kerasps.cluster.resolve()` calls it):
+    `cluster` with the job's counts, restart budget, worker resources and Ray address, read
+    from `$KERASPS_RAY_JOB`; each task says where it serves.
+
+    Raises:
+        ValueError: if `$KERASPS_RAY_JOB` is not set or not the launcher's JSON.
+    """
+    import json
+
+    text = os.environ.get(launch_env.RAY_JOB_ENV)
+    try:
+        job = json.loads(text or "")
+        kwargs = {key: job[key] for key in ("num_workers", "num_ps", "max_restarts", "address")}
+    except (ValueError, TypeError, KeyError):
+        raise ValueError(
+            f"Invalid value for `{launch_env.RAY_JOB_ENV}`: expected the JSON that `kerasps "
+            "launch --engine ray` sets (num_workers, num_ps, max_restarts, address). "
+            f"Received: {launch_env.RAY_JOB_ENV}={text!r}") from None
+    return cluster(**kwargs, worker_resources=job.get("worker_resources"), announce=True)
 
 
 def _connect(ray, address, init_kwargs):

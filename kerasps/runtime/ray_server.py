@@ -48,28 +48,40 @@ class TaskServer:
         cpus: the CPUs Ray gave the actor; TensorFlow's thread pools follow them.
         hide_gpus: set `CUDA_VISIBLE_DEVICES=""` before TensorFlow is imported (ps tasks:
             Ray leaves the variable alone for an actor given no GPU).
+        announce: print where the task serves once its server started, as `kerasps serve`
+            does.
+
+    Its `repr` is the task's name (`worker 0`): Ray prefixes the lines it forwards from the
+    actor to the driver with it (`(worker 0 pid=4242) ...`).
     """
 
     def __init__(self, cluster: dict, task_type: str, index: int, cpus: float,
-                 hide_gpus: bool):
+                 hide_gpus: bool, announce: bool = False):
+        self.task_type, self.index = task_type, index
         if hide_gpus:
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
         # Imports the package first (`kerasps/__init__.py` quiets TensorFlow's start-up lines).
-        from kerasps.runtime import cluster as cluster_lib
+        from kerasps.runtime import servers
 
-        cluster_lib._enable_fail_fast()
+        servers._enable_fail_fast()
         import tensorflow as tf
 
         num_workers = len(cluster["worker"])
-        config = cluster_lib.server_config(task_type, num_workers)
+        config = servers.server_config(task_type, num_workers)
         intra, inter = threads_for(cpus, num_workers)
         config.intra_op_parallelism_threads = intra
         config.inter_op_parallelism_threads = inter
-        self.task_type, self.index, self.threads = task_type, index, (intra, inter)
+        self.threads = (intra, inter)
         self.server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=task_type,
                                            task_index=index, config=config, protocol="grpc",
                                            start=True)
         self.gpus = len(tf.config.list_physical_devices("GPU"))
+        if announce:
+            print(f"kerasps serve: {task_type} {index} serving at {cluster[task_type][index]}",
+                  flush=True)
+
+    def __repr__(self):
+        return f"{self.task_type} {self.index}"
 
     def info(self) -> dict:
         """The task's process id, node id, GPUs seen by TensorFlow and thread counts."""

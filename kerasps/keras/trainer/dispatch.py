@@ -9,6 +9,7 @@ import time
 import tensorflow as tf
 
 from kerasps.backend import _keras, _tf
+from kerasps.runtime import launch_env
 
 # Scheduled functions kept in flight per worker: one running, one queued.
 STEPS_IN_FLIGHT_PER_WORKER = 2
@@ -128,6 +129,8 @@ class Window:
         returns cleanly (or `timeout` seconds pass).
         """
         self.pending.clear()
+        if launch_env.job_failed():  # a task is gone for good: nothing to wait for
+            return
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
