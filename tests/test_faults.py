@@ -5,6 +5,7 @@ loss would)."""
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -433,6 +434,55 @@ def test_ps_killed_mid_fit_is_restored_from_the_backup_inside_the_same_fit(tmp_p
         assert iterations == 200 + reexecuted
         assert 0 < rolled_back <= 10
         job.wait_for(r"lost their variables at epoch 2 ")  # every line, not the last 200
+    finally:
+        job.close()
+
+
+# The same with a validation pass each epoch; epoch 2's waits after its first batch until
+# the file argv[2] exists (the test kills a ps task meanwhile).
+VALIDATION_CHIEF = PS_RECOVERY_CHIEF.replace("    trained = itertools.count(1)\n", """\
+    import os, time
+
+    class HeldValidation(keras.callbacks.Callback):
+        epoch, held = 0, False
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_test_batch_end(self, batch, logs=None):
+            if self.epoch == 1 and not self.held:
+                self.held = True
+                say("validating")
+                deadline = time.monotonic() + 120
+                while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+
+    trained = itertools.count(1)
+""").replace("verbose=0, callbacks=[progress, backup])",
+             "verbose=0, callbacks=[progress, backup, HeldValidation()],\n"
+             "                        validation_data=kerasps.DatasetCreator(dataset_fn), "
+             "validation_steps=5)")
+
+
+def test_ps_killed_during_fits_validation_pass_is_restored_inside_the_same_fit(tmp_path):
+    # The validation pass ran outside `fit`'s recovery: the loss ended `fit` with
+    # `PsTaskFailedError` (the soak's chief ended so twice, restarted by the launcher).
+    marker = tmp_path / "killed"
+    job = launch(tmp_path, VALIDATION_CHIEF, "--workers", "2", "--ps", "2", "--max-restarts",
+                 "2", args=[str(tmp_path / "backup"), str(marker)])
+    try:
+        job.wait_for(r"\[chief 0\] validating$")
+        job.kill("ps 1")
+        job.wait_for(r"\[launcher\] ps 1 exited with signal 9 \(SIGKILL\); restart 1 of 2")
+        marker.write_text("")
+        iterations = int(job.wait_for(r"\[chief 0\] iterations (\d+)").group(1))
+        reexecuted = int(job.wait_for(r"\[chief 0\] reexecuted (\d+)").group(1))
+        job.wait_for(r"\[chief 0\] loss finite True")
+        assert job.finish() == 0, job.output()
+        assert iterations == 200 + reexecuted
+        job.wait_for(r"lost their variables at epoch 2 ")
+        assert not any(re.search(r"\[launcher\] chief 0 .*restart", line) for line in job.lines)
+        assert not any("PsTaskFailedError" in line for line in job.lines), job.output()
     finally:
         job.close()
 

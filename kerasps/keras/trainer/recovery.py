@@ -195,8 +195,11 @@ def recover(error, model, backup: Backup | None, epoch: int, finished: int,
         PsTaskFailedError: a ps task lost its state and there is no backup, or
             it did not come back within `PS_RECOVERY_TIMEOUT`.
     """
-    lost = lost_ps_tasks(model, error)
-    unreachable = isinstance(error, tf.errors.UnavailableError) and "/job:ps/" in str(error)
+    # `evaluate` (fit's validation pass) names a lost ps task in a `PsTaskFailedError`
+    # raised from TensorFlow's error: the same loss, recovered the same way.
+    cause = error.__cause__ if isinstance(error, PsTaskFailedError) else error
+    lost = lost_ps_tasks(model, cause)
+    unreachable = isinstance(cause, tf.errors.UnavailableError) and "/job:ps/" in str(cause)
     decision = failures.decide(lost, has_backup=backup is not None, ps_unreachable=unreachable)
     delay = failures.retry_delay(retried) if decision is Recovery.RETRY else None
     if decision is None or (decision is Recovery.RETRY and delay is None):

@@ -231,11 +231,6 @@ class _EpochLoop:
                 self.runner.begin(epoch, start)
                 self.position = None  # the runner's progress from here
                 epoch_logs, rerun = self._epoch(epoch, initial_epoch)
-                if self.validation is not None and _keras.should_eval(
-                        model, epoch, self.validation_freq):
-                    val_logs = self.validation.run(callbacks=callbacks, verbose=0,
-                                                   return_dict=True)
-                    epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 history = _keras.history_of(callbacks)
                 _record_epoch_counts(model, history, epoch, iterations_before,
                                      self.runner.scheduled - start, rerun, self.call.pool)
@@ -249,12 +244,12 @@ class _EpochLoop:
         return training_logs
 
     def _epoch(self, epoch, initial_epoch):
-        """Runs the attempts at epoch `epoch` until one completes; returns its logs and
-        the steps run again after restoring a backup."""
+        """Runs the attempts at epoch `epoch` (its steps, then its validation pass) until
+        one completes; returns its logs and the steps run again after restoring a backup."""
         runner, rerun = self.runner, 0
         while True:
             try:
-                return runner.run(), rerun
+                logs = runner.run()
             except tf.errors.OutOfRangeError:
                 runner.abandon()
                 done = runner.done
@@ -281,8 +276,26 @@ class _EpochLoop:
                 runner.input_ended()
                 self.renewed_at = (epoch, done)
                 runner.restart(done)
+                continue
             except BaseException as error:
                 rerun += self._recover(error, epoch)
+                continue
+            # The validation pass belongs to the epoch: a ps task lost during it is
+            # restored like one lost during the steps, the steps since the backup run
+            # again, then the validation pass again.
+            try:
+                logs.update(self._validation_logs(epoch))
+                return logs, rerun
+            except BaseException as error:
+                rerun += self._recover(error, epoch)
+
+    def _validation_logs(self, epoch) -> dict:
+        """The epoch's validation logs (`val_` keys); none where it does not validate."""
+        if self.validation is None or not _keras.should_eval(self.model, epoch,
+                                                             self.validation_freq):
+            return {}
+        logs = self.validation.run(callbacks=self.call.callbacks, verbose=0, return_dict=True)
+        return {f"val_{k}": v for k, v in logs.items()}
 
     def _recover(self, error, epoch) -> int:
         """Brings back what a lost ps task held, from the backup (or raises `error`);
