@@ -10,6 +10,7 @@ from kerasps.ops.launch import (
     LaunchSpec,
     Task,
     TaskFailedError,
+    check_engine,
     check_program,
     install_chief_handler,
     make_cluster,
@@ -23,5 +24,5 @@ from kerasps.ops.launch import (
 
 __all__ = ["LaunchSpec", "Task", "Launcher", "TaskFailedError", "make_cluster", "tf_config",
            "install_chief_handler", "runs_program", "request_workers", "report_connected",
-           "check_program", "program_module", "name_process", "REPORT_ENV", "TASK_ENV",
-           "TRAINING_FINISHED_ENV", "MIN_WORKERS_ENV", "WORKERS_WANTED_ENV"]
+           "check_program", "check_engine", "program_module", "name_process", "REPORT_ENV",
+           "TASK_ENV", "TRAINING_FINISHED_ENV", "MIN_WORKERS_ENV", "WORKERS_WANTED_ENV"]

@@ -102,6 +102,34 @@ def test_bad_arguments_exit_2_naming_the_option(args, message):
     assert message in result.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--engine", "spark"], "Invalid value for argument `--engine`: expected one of local, ray. "
+                            "Received: --engine='spark'"),
+    (["--address", "auto"], "Invalid value for argument `--address`: a Ray cluster's address, "
+                            "given with --engine ray only. Received: --address='auto' with "
+                            "--engine='local'"),
+    (["--engine", "ray", "--evaluator"], "Received: --evaluator=True with --engine='ray'"),
+    (["--engine", "ray", "--workers", "1:3"], "Received: --workers='1:3' with --engine='ray'"),
+])
+def test_launch_engine_errors_name_the_option(tmp_path, args, message):
+    (tmp_path / "train.py").write_text("")
+    result = subprocess.run([sys.executable, "-m", "kerasps.cli", "launch", *args, "train.py"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert result.stderr.count("argument") == 1
+
+
+def test_launch_engine_ray_without_ray_names_the_extra(tmp_path, monkeypatch, capsys):
+    from kerasps.ops import cli
+
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` would raise
+    assert cli.main(["launch", "--engine", "ray", "train.py"]) == 2
+    assert ('kerasps launch --engine ray needs Ray, which is not installed. Install it with '
+            'kerasps\' `ray` extra: pip install "kerasps[ray]"') in capsys.readouterr().err
+
+
 def test_serve_without_tf_config_exits_2_with_the_reason():
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     result = subprocess.run([sys.executable, "-m", "kerasps.cli", "serve"], capture_output=True,

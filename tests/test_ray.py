@@ -252,6 +252,82 @@ def test_an_unsupported_ray_version_is_refused(monkeypatch):
         kerasps.ray.cluster(num_workers=1, num_ps=1)
 
 
+def test_a_ray_drivers_output_is_split_into_its_own_lines_and_its_actors():
+    from kerasps.ops.console import RayActorLines
+
+    lines = RayActorLines()
+    # An actor's line inside the chief's progress bar's line, and one cut in two chunks.
+    assert lines.split(b"Epoch 1/2\n\r 1/10 \xe2\x94\x81(worker 0 pid=12) serving\n"
+                       b"(raylet) a note\n(ps 1 pid=3, ip=10.0.0.3) hel") == [
+        (None, b"Epoch 1/2\n\r 1/10 \xe2\x94\x81"), ("worker 0", b"serving\n"),
+        (None, b"(raylet) a note\n")]
+    assert lines.split(b"lo\nloss (mse") == [("ps 1", b"hello\n"), (None, b"loss ")]
+    assert lines.split(b")\n(work") == [(None, b"(mse)\n")]
+    assert lines.split(b"er 11 pid=9) z\n") == [("worker 11", b"z\n")]
+    assert lines.split(b"(ps 0 pid=4) last", final=True) == [("ps 0", b"last")]
+
+
+def test_under_launch_with_the_ray_engine_resolve_makes_the_jobs_ray_cluster(monkeypatch):
+    import kerasps
+    from kerasps.ops import launch_spec
+    from kerasps.runtime import ray_cluster
+
+    spec = launch_spec.LaunchSpec(program=("train.py",), workers=3, ps=2, max_restarts=1,
+                                  engine="ray", address="auto", gpus_per_worker=1)
+    assert spec.tasks == [launch_spec.Task("chief", 0)]  # Ray starts the others
+    env = launch_spec._environment(spec, {}, spec.tasks[0], {"TF_CONFIG": "{}"}, "/scratch")
+    assert "TF_CONFIG" not in env and env["RAY_COLOR_PREFIX"] == "0"
+    made = []
+    monkeypatch.setattr(ray_cluster, "cluster", lambda **kwargs: made.append(kwargs) or "ray")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert kerasps.cluster.resolve() == "ray"
+    assert made == [dict(num_workers=3, num_ps=2, max_restarts=1, address="auto",
+                         worker_resources={"CPU": 1, "GPU": 1}, announce=True)]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(engine="spark"), "expected one of ['local', 'ray']. Received: engine='spark'"),
+    (dict(address="auto"), "Received: address='auto' with engine='local'"),
+    (dict(engine="ray", evaluator=True), "Received: evaluator=True with engine='ray'"),
+    (dict(engine="ray", workers=3, min_workers=1),
+     "Received: min_workers=1 with engine='ray'"),
+])
+def test_a_launch_spec_refuses_what_the_ray_engine_cannot_run(kwargs, message):
+    from kerasps.ops import launch_spec
+
+    with pytest.raises(ValueError, match="Invalid value for argument") as raised:
+        launch_spec.LaunchSpec(program=("train.py",), **kwargs)
+    assert message in str(raised.value)
+
+
+def test_a_chief_that_reports_a_spent_budget_ends_the_launched_job(tmp_path):
+    """Under the ray engine the chief (the Ray driver) learns that an actor is dead for
+    good, writes why to the launcher's report file and fails: the launcher ends the job
+    rather than restart it (a chief failing without a report is restarted)."""
+    import io
+
+    from kerasps.ops import launch
+
+    pytest.importorskip("ray")  # the ray engine checks it is installed
+    script = tmp_path / "chief.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        report = os.environ["KERASPS_LAUNCH_REPORT"]
+        if os.path.exists(report + ".once"):
+            open(report, "w").write("worker 0 (Ray actor) died and its restart budget is spent")
+        open(report + ".once", "w").close()
+        sys.exit(1)
+    """))
+    out = io.StringIO()
+    spec = launch.LaunchSpec(program=(str(script),), engine="ray", max_restarts=3)
+    assert launch.Launcher(spec, out=out).run() == 1
+    lines = out.getvalue().splitlines()
+    assert "[launcher] chief 0 exited with exit code 1; restart 1 of 3" in lines, lines
+    assert lines[-1] == ("[launcher] ending the job: worker 0 (Ray actor) died and its restart "
+                         "budget is spent"), lines
+
+
 # -- slow: a Ray cluster of simulated nodes ------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_nodes():
@@ -409,6 +485,75 @@ def test_a_start_that_fails_kills_the_actors_it_made(ray_nodes):
     actors = ray._private.state.actors()
     made = set(actors) - before
     assert len(made) == 2 and {actors[a]["State"] for a in made} == {"DEAD"}
+
+
+LAUNCHED = """
+    import json
+    import kerasps
+    import keras, tensorflow as tf
+
+    def dataset_fn(context):
+        x = tf.random.stateless_uniform((64, 4), [1, context.input_pipeline_id])
+        return tf.data.Dataset.from_tensor_slices((x, tf.reduce_sum(x, 1))).repeat().batch(8)
+
+    resolver = kerasps.cluster.resolve()  # unchanged: the job's Ray cluster under --engine ray
+    print("REPORT", json.dumps({"resolver": type(resolver).__name__, "tasks": [
+        [t.name, t.address, resolver.pid(t.task_type, t.index)] for t in resolver.tasks]}))
+    strategy = kerasps.ParameterServerStrategy(resolver)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+    history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=2, steps_per_epoch=5,
+                        verbose=2)
+    print("REPORT", json.dumps({"loss": history.history["loss"]}))
+"""
+
+
+@pytest.mark.slow
+def test_kerasps_launch_with_the_ray_engine_trains_prints_task_lines_and_leaves_nothing(
+        ray_nodes, runs, tmp_path):
+    import ray
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(LAUNCHED))
+    result = subprocess.run(
+        [sys.executable, "-m", "kerasps.cli", "launch", "--engine", "ray", "--address",
+         ray_nodes.address, "--workers", "1", "--ps", "1", "--max-restarts", "0", str(script)],
+        capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": ROOT})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    lines = output.splitlines()
+    reports = _reports("\n".join(line.removeprefix("[chief 0] ") for line in lines))
+    assert reports["resolver"] == "RayClusterResolver"
+    (worker, worker_address, worker_pid), (ps, ps_address, ps_pid) = reports["tasks"]
+    assert (worker, ps) == ("worker 0", "ps 0")
+    # Each actor's line reaches the console with its task's prefix, as kerasps launch's.
+    assert f"[worker 0] kerasps serve: worker 0 serving at {worker_address}" in lines, output
+    assert f"[ps 0] kerasps serve: ps 0 serving at {ps_address}" in lines, output
+    assert "[chief 0] Epoch 2/2" in lines and not [line for line in lines if "pid=" in line]
+    assert lines[-1] == "[launcher] chief 0 finished with exit code 0", output
+    assert reports["loss"][-1] < reports["loss"][0]
+
+    def gone():
+        actors = [a for a in ray._private.state.actors().values() if a["Pid"] in (worker_pid,
+                                                                                   ps_pid)]
+        return ({a["State"] for a in actors} == {"DEAD"} and
+                not any(_alive(pid) for pid in (worker_pid, ps_pid)) and
+                not any(_listening(a) for a in (worker_address, ps_address)))
+
+    deadline = time.monotonic() + 30
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(), ray._private.state.actors()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
     kerasps demo [--workers N] [--ps N] [--epochs N] [--steps-per-epoch N]
     kerasps serve            # run this worker/ps task of the cluster in $TF_CONFIG
     kerasps launch [--workers N|MIN:MAX] [--ps N] [--max-restarts K] [--gpus-per-worker G]
-                   [--evaluator] [--emit k8s --image IMAGE [--name NAME] [--output-dir DIR]]
+                   [--evaluator] [--engine local|ray [--address ADDRESS]]
+                   [--emit k8s --image IMAGE [--name NAME] [--output-dir DIR]]
                    (script.py | -m package.module) [args ...]
     kerasps --version
 """
@@ -44,6 +45,14 @@ def _int_option(option: str, minimum: int):
         return value
 
     return parse
+
+
+def _engine(text):
+    from kerasps.ops.launch_spec import ENGINES
+
+    if text not in ENGINES:
+        raise _invalid("--engine", f"expected one of {', '.join(ENGINES)}", text)
+    return text
 
 
 def parser() -> argparse.ArgumentParser:
@@ -107,6 +116,15 @@ def parser() -> argparse.ArgumentParser:
                              "its C++ log) in the tasks' output, as KERASPS_TF_LOGS=1 does: "
                              "the tasks run with KERASPS_TF_LOGS=1 and TF_CPP_MIN_LOG_LEVEL "
                              "as it is; by default they are dropped")
+    launch.add_argument("--engine", type=_engine, default="local",
+                        help="where the worker and ps tasks run: local (default: a process "
+                             "each on this machine) or ray (Ray actors, which the chief, the "
+                             "Ray driver, starts in kerasps.cluster.resolve(); Ray restarts "
+                             "each up to --max-restarts times; needs kerasps[ray])")
+    launch.add_argument("--address", default=None,
+                        help="with --engine ray: the Ray cluster to run on, as ray.init takes "
+                             "it (auto, host:6379, ray://host:10001); default $RAY_ADDRESS's, "
+                             "else a local Ray")
     launch.add_argument("--emit", choices=["k8s"], default=None,
                         help="write Kubernetes manifests for the job, run nothing: a JobSet "
                              "(NAME.jobset.yaml) and a Kubeflow v1 TFJob (NAME.tfjob.yaml); the "
@@ -178,11 +196,27 @@ def _launch(args, parser) -> int:
         parser.error("Invalid value for argument `--image`: it is required with --emit (an "
                      "image holding kerasps and the script). Received: --image=None")
     low, high = args.workers
+    if args.address is not None and args.engine != "ray":
+        parser.error("Invalid value for argument `--address`: a Ray cluster's address, given "
+                     f"with --engine ray only. Received: --address={args.address!r} with "
+                     f"--engine={args.engine!r}")
+    if args.engine == "ray" and (args.evaluator or low < high):
+        option, value = (("--evaluator", True) if args.evaluator
+                         else ("--workers", f"{low}:{high}"))
+        parser.error(f"Invalid value for argument `{option}`: --engine ray runs a fixed pool "
+                     "of workers and no side-car evaluator yet. "
+                     f"Received: {option}={value!r} with --engine='ray'")
     spec = launch.LaunchSpec(program=program, workers=high, ps=args.ps,
                              min_workers=low if low < high else None,
                              max_restarts=args.max_restarts,
-                             gpus_per_worker=args.gpus_per_worker, evaluator=args.evaluator)
+                             gpus_per_worker=args.gpus_per_worker, evaluator=args.evaluator,
+                             engine=args.engine, address=args.address)
     if args.emit is None:
+        try:
+            launch.check_engine(spec)
+        except ImportError as error:
+            print(f"kerasps launch: {error}", file=sys.stderr)
+            return 2
         try:
             launch.check_program(spec.program)
         except ValueError as error:

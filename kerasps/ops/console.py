@@ -46,7 +46,8 @@ import threading
 
 from kerasps.backend.tf_logs import is_start_up_noise
 
-__all__ = ["Console", "PlainLines", "Stream", "is_start_up_noise", "plain", "plain_stdout"]
+__all__ = ["Console", "PlainLines", "RayActorLines", "Stream", "is_start_up_noise", "plain",
+           "plain_stdout"]
 
 _CLEAR_LINE = "\x1b[K"  # erase from the cursor to the end of the line
 _VISIBLE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]|.", re.DOTALL)  # an escape sequence, or a character
@@ -101,6 +102,53 @@ class Stream:
     def unfinished(self) -> str:
         """What a terminal shows of the unfinished line ("" if there is none)."""
         return self.text or self.drawn
+
+
+class RayActorLines:
+    """Splits a Ray driver's output into its own and its task actors' lines.
+
+    Ray forwards what an actor prints to the driver, each line prefixed with the actor's
+    `repr` and process (`(worker 0 pid=4242) text`, `(ps 1 pid=77, ip=10.0.0.3) text`:
+    `kerasps.runtime.ray_server.TaskServer`'s repr is its task's name). Under
+    `kerasps launch --engine ray` the chief is the driver; its output goes through `split`,
+    which gives each such line to its task, without Ray's prefix, and the rest to the chief.
+    A line is held only while it may be the start of a prefix (from a `(` with no `)` or
+    newline after it yet).
+    """
+
+    PREFIX = re.compile(rb"(?:\x1b\[[0-9;]*m)?\(((?:worker|ps) \d+) pid=\d+(?:, ip=[^)\n]*)?\)"
+                        rb"(?:\x1b\[[0-9;]*m)? ?")
+    _HOLD = 160  # the longest prefix held, bytes
+
+    def __init__(self):
+        self._held = b""
+
+    def split(self, data: bytes, final: bool = False) -> list[tuple[str | None, bytes]]:
+        """Takes a chunk of the driver's output; returns `(task, bytes)` pieces in order,
+        `task` `None` for the driver's own (`final`: the stream ended, nothing held)."""
+        buf, self._held, pieces = self._held + data, b"", []
+        while buf:
+            match = self.PREFIX.search(buf)
+            if match is None:
+                start = buf.rfind(b"(")
+                tail = buf[start:] if start >= 0 else b""
+                if (tail and not final and len(tail) < self._HOLD
+                        and not any(c in tail for c in (b")", b"\n", b"\r"))):
+                    pieces.append((None, buf[:start]))
+                    self._held = tail
+                else:
+                    pieces.append((None, buf))
+                break
+            end = buf.find(b"\n", match.end())
+            if end < 0 and not final:  # the actor's line is not complete yet
+                pieces.append((None, buf[:match.start()]))
+                self._held = buf[match.start():]
+                break
+            end = len(buf) if end < 0 else end + 1
+            pieces.append((None, buf[:match.start()]))
+            pieces.append((match.group(1).decode(), buf[match.end():end]))
+            buf = buf[end:]
+        return [(task, piece) for task, piece in pieces if piece]
 
 
 class Console:

@@ -57,6 +57,14 @@ launcher stopped is not restarted; one that fails still is, within its
 budget. The chief's strategy gets MIN as its `min_workers`
 (`$KERASPS_MIN_WORKERS`): below it, `fit` holds training.
 
+With `--engine ray` (`LaunchSpec.engine="ray"`) the launcher starts the chief only, with
+`$KERASPS_RAY_JOB` in place of `TF_CONFIG`: its `kerasps.cluster.resolve()` starts the
+worker and ps tasks as Ray actors (`kerasps.ray.cluster`), which Ray restarts within the
+budget. The chief is the Ray driver, and Ray forwards the actors' output to it; the console
+gives each actor's line to its task (`[worker 0] ...`). A chief that learns that an actor
+is dead for good writes why to the report file and fails; the launcher then ends the job
+(status 1) rather than restart it.
+
 This module is the supervisor (`Launcher`); the launch spec is `kerasps.ops.launch_spec`
 and what the tasks share with the launcher `kerasps.runtime.launch_env`, both
 re-exported here.
@@ -90,6 +98,7 @@ from kerasps.ops.launch_spec import (
     Task,
     _command,
     _environment,
+    check_engine,
     check_program,
     make_cluster,
     program_module,
@@ -114,8 +123,8 @@ from kerasps.runtime.launch_env import (
 
 __all__ = ["LaunchSpec", "Task", "Launcher", "TaskFailedError", "make_cluster", "tf_config",
            "install_chief_handler", "runs_program", "request_workers", "report_connected",
-           "check_program", "program_module", "name_process", "REPORT_ENV", "TASK_ENV",
-           "TRAINING_FINISHED_ENV", "MIN_WORKERS_ENV", "WORKERS_WANTED_ENV"]
+           "check_program", "check_engine", "program_module", "name_process", "REPORT_ENV",
+           "TASK_ENV", "TRAINING_FINISHED_ENV", "MIN_WORKERS_ENV", "WORKERS_WANTED_ENV"]
 
 # Seconds a process gets to exit after SIGTERM before it is killed.
 GRACE_PERIOD = 10.0
@@ -200,17 +209,33 @@ class Launcher:
         selector = selectors.DefaultSelector()
         for pipe in (popen.stdout, popen.stderr):
             selector.register(pipe, selectors.EVENT_READ, console_lib.Stream())
+        # A Ray driver's output holds its actors' lines: each goes to its task's stream.
+        routers, actor_streams = {}, {}
         while selector.get_map():
             for key, _ in selector.select():
                 data = os.read(key.fd, 1 << 16)
                 standby = process.task.type == _STANDBY  # its own start-up output
+                if standby:
+                    if not data:
+                        selector.unregister(key.fileobj)
+                        key.fileobj.close()
+                    continue
+                if self.spec.engine != "ray" or process.task.type != "chief":
+                    pieces = [(None, data)]
+                else:
+                    router = routers.setdefault(key.fd, console_lib.RayActorLines())
+                    pieces = router.split(data, final=not data)
+                for task, piece in pieces:
+                    stream = key.data if task is None else actor_streams.setdefault(
+                        (task, key.fd), console_lib.Stream())
+                    self._console.feed(stream, task or process.task.name, piece)
                 if not data:
                     selector.unregister(key.fileobj)
                     key.fileobj.close()
-                    if not standby:
-                        self._console.close(key.data, process.task.name)
-                elif not standby:
-                    self._console.feed(key.data, process.task.name, data)
+                    self._console.close(key.data, process.task.name)
+                    for (task, fd), stream in actor_streams.items():
+                        if fd == key.fd:
+                            self._console.close(stream, task)
         selector.close()
 
     # -- processes ---------------------------------------------------------------------
@@ -295,6 +320,7 @@ class Launcher:
             ValueError: if the program cannot be run (before any task starts).
         """
         check_program(self.spec.program)
+        check_engine(self.spec)
         handlers = {}
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
@@ -306,11 +332,20 @@ class Launcher:
             self._say(f"elastic workers {self.spec.min_workers}:{self.spec.workers}; all start "
                       f"for the chief to connect, then {self.spec.min_workers} run; "
                       f"resize with kerasps.launch.request_workers(n)")
+        if self.spec.engine == "ray":
+            where = (f"the Ray cluster at {self.spec.address}" if self.spec.address else
+                     "$RAY_ADDRESS's Ray cluster" if self._base_env.get("RAY_ADDRESS") else
+                     "a local Ray the chief starts")
+            self._say(f"engine ray: chief 0 is the Ray driver; kerasps.cluster.resolve() "
+                      f"starts {self.spec.workers} worker(s) and {self.spec.ps} ps task(s) as "
+                      f"Ray actors on {where}, restarted up to {self.spec.max_restarts} "
+                      "time(s) each")
         try:
             for task in self.spec.tasks:
                 self._processes[task] = _Process(task)
                 self._start(self._processes[task])
-            self._start_standby()
+            if self.spec.engine != "ray":  # a restarted Ray driver waits for its actors
+                self._start_standby()
             return self._supervise()
         finally:
             if self._stop_signal is not None:
@@ -329,6 +364,11 @@ class Launcher:
                 code = None if process.done or process.parked else process.popen.poll()
                 if code is None:
                     continue
+                failed = self._reported_failure() if code != 0 else None
+                if failed and process.task.type == restarts_lib.PROGRAM_TYPE:
+                    # The chief ended the job: a Ray actor's restart budget is spent.
+                    self._say(f"ending the job: {failed}")
+                    return 1
                 decision = self.policy.decide(process.task.type, process.task.index, code,
                                               process.restarts)
                 if decision.action is restarts_lib.Action.RESTART:
@@ -428,6 +468,15 @@ class Launcher:
             f.write("the chief exited with status 0\n")
         self._say("training finished; waiting for evaluator 0 to evaluate the last checkpoint")
         return True
+
+    def _reported_failure(self) -> str:
+        """What the chief wrote to the report file (`kerasps.runtime.launch_env.fail_chief`,
+        with `--engine ray`: a task's actor dead for good), or ""."""
+        try:
+            with open(os.path.join(self._scratch, _REPORT_FILE)) as f:
+                return f.read().strip()
+        except OSError:
+            return ""
 
     def _fail_chief(self, reason: str):
         """Tells the chief why the job ends; its handler raises `TaskFailedError`."""

@@ -16,6 +16,7 @@ from kerasps.policy._validation import positive_int
 from kerasps.runtime.launch_env import (
     CONNECTED_ENV,
     MIN_WORKERS_ENV,
+    RAY_JOB_ENV,
     REPORT_ENV,
     TASK_ENV,
     TRAINING_FINISHED_ENV,
@@ -26,6 +27,8 @@ _REPORT_FILE, _FINISHED_FILE = "report.txt", "training_finished"  # in the launc
 _WANTED_FILE, _CONNECTED_FILE = "workers_wanted", "connected"
 _STANDBY = "standby"  # the label of a standby interpreter's output until it gets a task
 MODULE_FLAG = "-m"  # `program` as `("-m", module, *args)`: the chief runs `python -m module args`
+ENGINES = ("local", "ray")  # where the worker and ps tasks run: processes here, Ray actors
+RAY_INSTALL = 'pip install "kerasps[ray]"'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,13 @@ class LaunchSpec:
         evaluator: also run the program as task `evaluator 0`, beside the cluster.
         min_workers: makes the worker pool elastic, between `min_workers` and
             `workers` (see the module docstring); `None`: a fixed pool.
+        engine: `"local"`: each task a process on this machine; `"ray"`: the chief (the
+            program) a Ray driver, the worker and ps tasks Ray actors that its
+            `kerasps.cluster.resolve()` starts (`kerasps.ray.cluster`), restarted by Ray
+            `max_restarts` times each.
+        address: with `engine="ray"`, the Ray cluster to run on (`ray.init`'s `address`:
+            `"auto"`, `"host:6379"`, `"ray://host:10001"`); `None`: `$RAY_ADDRESS`'s, else
+            a local Ray started by the chief.
     """
 
     program: tuple
@@ -68,6 +78,8 @@ class LaunchSpec:
     host: str = "localhost"
     evaluator: bool = False
     min_workers: int | None = None
+    engine: str = "local"
+    address: str | None = None
 
     def __post_init__(self):
         positive_int("workers", self.workers)
@@ -92,9 +104,39 @@ class LaunchSpec:
         if not isinstance(self.evaluator, bool):
             raise ValueError("Invalid value for argument `evaluator`: expected True or False. "
                              f"Received: evaluator={self.evaluator!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"Invalid value for argument `engine`: expected one of "
+                             f"{list(ENGINES)}. Received: engine={self.engine!r}")
+        if self.address is not None and (self.engine != "ray" or not isinstance(
+                self.address, str) or not self.address):
+            raise ValueError("Invalid value for argument `address`: a Ray cluster's address, "
+                             "given with engine='ray' only. Received: "
+                             f"address={self.address!r} with engine={self.engine!r}")
+        if self.engine == "ray":
+            for name, value in (("evaluator", self.evaluator or None),
+                                ("min_workers", self.min_workers)):
+                if value is not None:
+                    raise ValueError(
+                        f"Invalid value for argument `{name}`: engine='ray' runs a fixed "
+                        "pool of workers and no side-car evaluator yet. "
+                        f"Received: {name}={value!r} with engine='ray'")
+
+    @property
+    def ray_job(self) -> dict:
+        """With `engine="ray"`: what the chief's `resolve()` passes to
+        `kerasps.ray.cluster`."""
+        resources = ({"CPU": 1, "GPU": self.gpus_per_worker} if self.gpus_per_worker
+                     else None)
+        return {"num_workers": self.workers, "num_ps": self.ps,
+                "max_restarts": self.max_restarts, "address": self.address,
+                "worker_resources": resources}
 
     @property
     def tasks(self) -> list[Task]:
+        """The processes the launcher starts (with `engine="ray"`, the chief only: Ray
+        starts the others)."""
+        if self.engine == "ray":
+            return [Task("chief", 0)]
         return ([Task("ps", i) for i in range(self.ps)]
                 + [Task("worker", i) for i in range(self.workers)] + [Task("chief", 0)]
                 + [Task("evaluator", 0)] * self.evaluator)
@@ -103,6 +145,8 @@ class LaunchSpec:
 def make_cluster(spec: LaunchSpec, pick_port=None) -> dict:
     """`{"chief": [...], "worker": [...], "ps": [...]}` with a free port per task (the
     evaluator serves nothing and has no address)."""
+    if spec.engine == "ray":  # Ray's actors pick their ports, the chief its own
+        return {}
     if pick_port is None:
         import portpicker
 
@@ -204,6 +248,22 @@ def _find_spec(fullname: str, path):
     return None
 
 
+def check_engine(spec: LaunchSpec) -> None:
+    """Raises an `ImportError` naming the `kerasps[ray]` extra where `spec` runs on Ray and
+    Ray is not installed (found without importing it)."""
+    if spec.engine != "ray":
+        return
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("ray") is not None
+    except ValueError:  # `ray` in sys.modules without a spec
+        found = "ray" in sys.modules and sys.modules["ray"] is not None
+    if not found:
+        raise ImportError("kerasps launch --engine ray needs Ray, which is not installed. "
+                          f"Install it with kerasps' `ray` extra: {RAY_INSTALL}")
+
+
 def _command(spec: LaunchSpec, task: Task) -> list[str]:
     if runs_program(task.type):
         return [sys.executable, *spec.program]
@@ -212,7 +272,14 @@ def _command(spec: LaunchSpec, task: Task) -> list[str]:
 
 def _environment(spec: LaunchSpec, cluster: dict, task: Task, base: dict, scratch: str) -> dict:
     env = dict(base)
-    env["TF_CONFIG"] = tf_config(cluster, task)
+    if spec.engine == "ray":
+        env.pop("TF_CONFIG", None)  # `resolve()` makes the Ray cluster of `RAY_JOB_ENV`
+        env[RAY_JOB_ENV] = json.dumps(spec.ray_job)
+        # Ray forwards the actors' output to the driver as `(worker 0 pid=N) line`: plain,
+        # every line (the launcher relabels them, `kerasps.ops.console.RayActorLines`).
+        env.update(RAY_COLOR_PREFIX="0", RAY_DEDUP_LOGS="0")
+    else:
+        env["TF_CONFIG"] = tf_config(cluster, task)
     env["PYTHONUNBUFFERED"] = "1"  # output (a progress bar's redraws) arrives as written
     env[TASK_ENV] = task.name
     if spec.min_workers is not None:

@@ -38,6 +38,20 @@ def threads_for(cpus: float, num_workers: int) -> tuple[int, int]:
     return intra, max(intra, num_workers + 1)
 
 
+def _name_output(name: str):
+    """Names this actor's output `name` in the lines Ray forwards to the driver from here on
+    (`(worker 0 pid=N) ...`). Ray does so with the actor's `repr` once its constructor has
+    returned; a line the constructor prints would be named for the class."""
+    import sys
+
+    try:
+        from ray._private.ray_constants import LOG_PREFIX_ACTOR_NAME as prefix
+    except ImportError:  # pragma: no cover - another Ray's layout
+        prefix = ":actor_name:"
+    for stream in (sys.stdout, sys.stderr):
+        print(f"{prefix}{name}", file=stream, flush=True)
+
+
 class TaskServer:
     """A worker or ps task: its server runs from construction to the end of the process.
 
@@ -58,6 +72,7 @@ class TaskServer:
     def __init__(self, cluster: dict, task_type: str, index: int, cpus: float,
                  hide_gpus: bool, announce: bool = False):
         self.task_type, self.index = task_type, index
+        _name_output(repr(self))
         if hide_gpus:
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
         # Imports the package first (`kerasps/__init__.py` quiets TensorFlow's start-up lines).
