@@ -1,7 +1,8 @@
 """`kerasps launch --emit k8s`: the JobSet and the TFJob, validated against the schemas of
-the versions docs/guide/launching.md names, and the TF_CONFIG each JobSet pod resolves.
+the versions docs/guide/launching.md names, and the TF_CONFIG each JobSet pod resolves;
+with `--engine ray`, KubeRay's RayJob.
 
-The JobSet and TFJob CRDs' OpenAPI schemas are test data (tests/data/README.md says where
+The JobSet, TFJob and RayJob CRDs' OpenAPI schemas are test data (tests/data/README.md says where
 from); the core kinds inside them (Job and pod templates) are validated with
 `kubernetes-validate`. Validation is strict: a field the schema does not define is an
 error, as with `kubectl apply --validate=strict`.
@@ -390,3 +391,83 @@ def test_emit_runs_a_module_as_python_m_and_names_the_job_after_its_last_compone
     replicas = tfjob["spec"]["tfReplicaSpecs"]
     assert [replicas[k]["template"]["spec"]["containers"][0]["command"]
             for k in ("Chief", "Evaluator")] == [command, command]
+
+
+# KubeRay's RayJob (`--engine ray`).
+RAYJOB_VERSIONS = ["v1.1.0", "v1.7.0"]
+RAY_SPECS = {"cpu": launch.LaunchSpec(program=("train.py", "--epochs", "3"), workers=3, ps=2,
+                                      max_restarts=4, engine="ray"),
+             "gpu": dataclasses.replace(SPEC, engine="ray"),
+             "module": launch.LaunchSpec(program=("-m", "trainer.main", "--lr", "0.1"),
+                                         engine="ray")}
+
+
+def _ray_pod_templates(rayjob):
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    return {"head": cluster["headGroupSpec"]["template"], **{
+        group["groupName"]: group["template"] for group in cluster["workerGroupSpecs"]}}
+
+
+@pytest.mark.parametrize("version", RAYJOB_VERSIONS)
+@pytest.mark.parametrize("spec", RAY_SPECS.values(), ids=RAY_SPECS)
+def test_rayjob_is_valid_against_the_rayjob_crd_schema(spec, version):
+    assert crd_errors(emitted(manifests.rayjob, spec), f"rayjob-{version}") == []
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("spec", RAY_SPECS.values(), ids=RAY_SPECS)
+def test_rayjob_pod_templates_are_valid_core_pod_templates(spec, version):
+    for group, template in _ray_pod_templates(emitted(manifests.rayjob, spec)).items():
+        pod_template = {"apiVersion": "v1", "kind": "PodTemplate",
+                        "metadata": {"name": f"train-{group}"}, "template": template}
+        assert core_errors(pod_template, version) == [], group
+
+
+def test_the_rayjob_schema_rejects_what_kuberay_would():
+    rayjob = emitted(manifests.rayjob, RAY_SPECS["cpu"])
+    rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replica"] = 2  # a typo
+    del rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]
+    errors = crd_errors(rayjob, "rayjob-v1.7.0")
+    assert any("'replica' was unexpected" in e for e in errors), errors
+    assert any("'template' is a required property" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("spec", RAY_SPECS.values(), ids=RAY_SPECS)
+def test_the_rayjob_entrypoint_is_the_same_job_under_the_ray_engine(spec):
+    import shlex
+
+    from kerasps.ops import cli
+
+    rayjob = emitted(manifests.rayjob, spec)
+    command = shlex.split(rayjob["spec"]["entrypoint"])
+    assert command[:2] == ["kerasps", "launch"]
+    args = cli.parser().parse_args(command[1:])
+    assert (args.engine, args.address, args.workers, args.ps, args.max_restarts,
+            args.gpus_per_worker) == ("ray", "auto", (spec.workers, spec.workers), spec.ps,
+                                      spec.max_restarts, spec.gpus_per_worker)
+    assert cli._program(args, cli.parser()) == spec.program
+    # One Ray worker pod per task, each with the CPU a task asks for; none on the head.
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    groups = cluster["workerGroupSpecs"]
+    assert sum(g["replicas"] for g in groups) == spec.workers + spec.ps
+    assert all(g["replicas"] == g["minReplicas"] == g["maxReplicas"] for g in groups)
+    gpus = {g["groupName"]: g["template"]["spec"]["containers"][0]["resources"]["limits"].get(
+        "nvidia.com/gpu") for g in groups}
+    if spec.gpus_per_worker:
+        assert gpus == {"workers": str(spec.gpus_per_worker), "ps": None}
+    else:
+        assert gpus == {"tasks": None}
+
+
+def test_emit_with_the_ray_engine_writes_a_rayjob_only(tmp_path):
+    result = emit(tmp_path, "--engine", "ray", "--workers", "2", "my_train.py", "--lr", "0.1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-train.rayjob.yaml"]
+    assert result.stdout.split() == [str(tmp_path / "my-train.rayjob.yaml")]
+    text = (tmp_path / "my-train.rayjob.yaml").read_text()
+    assert text.startswith("# A KubeRay RayJob (KubeRay v1.1 or newer, ray.io/v1)")
+    rayjob = yaml.safe_load(text)
+    assert crd_errors(rayjob, "rayjob-v1.1.0") == []
+    assert rayjob["spec"]["entrypoint"] == (
+        "kerasps launch --engine ray --address auto --workers 2 --ps 1 --max-restarts 3 "
+        "my_train.py --lr 0.1")

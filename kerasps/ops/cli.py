@@ -127,7 +127,8 @@ def parser() -> argparse.ArgumentParser:
                              "else a local Ray")
     launch.add_argument("--emit", choices=["k8s"], default=None,
                         help="write Kubernetes manifests for the job, run nothing: a JobSet "
-                             "(NAME.jobset.yaml) and a Kubeflow v1 TFJob (NAME.tfjob.yaml); the "
+                             "(NAME.jobset.yaml) and a Kubeflow v1 TFJob (NAME.tfjob.yaml), or "
+                             "with --engine ray a KubeRay RayJob (NAME.rayjob.yaml); the "
                              "script's path is taken relative to the image's working directory "
                              "(a -m module runs as `python -m` in the image)")
     launch.add_argument("--image", help="container image holding kerasps and the script "
@@ -239,8 +240,9 @@ def _launch(args, parser) -> int:
             print(f"kerasps launch: warning: {warning}", file=sys.stderr)
     name = manifests.job_name(args.name or default_name)
     os.makedirs(args.output_dir, exist_ok=True)
-    outputs = {f"{name}.jobset.yaml": ("JobSet", manifests.jobset),
-               f"{name}.tfjob.yaml": ("TFJob", manifests.tfjob)}
+    outputs = ({f"{name}.rayjob.yaml": ("RayJob", manifests.rayjob)} if spec.engine == "ray"
+               else {f"{name}.jobset.yaml": ("JobSet", manifests.jobset),
+                     f"{name}.tfjob.yaml": ("TFJob", manifests.tfjob)})
     for filename, (kind, make) in outputs.items():
         path = os.path.join(args.output_dir, filename)
         with open(path, "w") as f:

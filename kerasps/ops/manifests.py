@@ -11,6 +11,11 @@ Two flavours of the same job:
 * a Kubeflow `TFJob` (`kubeflow.org/v1`) for clusters that still run the v1
   Training Operator (v1.7 to v1.9), which sets `TF_CONFIG` in every pod itself.
 
+With `engine="ray"` (`kerasps launch --engine ray --emit k8s`), a KubeRay `RayJob`
+(`ray.io/v1`, KubeRay v1.1 or newer) instead: a Ray cluster of a head pod, where the
+entrypoint `kerasps launch --engine ray --address auto ...` runs the chief (the Ray driver),
+and one Ray worker pod per task, where Ray places the worker and ps tasks' actors.
+
 Restarts follow `kerasps launch --max-restarts N` as closely as each flavour
 allows; `notes` says how, and heads each emitted file.
 
@@ -37,14 +42,15 @@ import json
 import os
 import posixpath
 import re
+import shlex
 
 import yaml
 
 from kerasps.ops.launch import MIN_WORKERS_ENV, LaunchSpec, program_module, runs_program
 from kerasps.runtime.cluster import JOBSET_ENV, JOBSET_PORT, JOBSET_REPLICAS_ENV
 
-__all__ = ["jobset", "tfjob", "notes", "job_name", "script_in_image", "dump", "PORT",
-           "MAX_NAME_LENGTH"]
+__all__ = ["jobset", "tfjob", "rayjob", "notes", "job_name", "script_in_image", "dump", "PORT",
+           "MAX_NAME_LENGTH", "RAY_TASK_POD", "RAY_HEAD_POD"]
 
 PORT = JOBSET_PORT  # every task's port: TFJob's default, and the JobSet resolver's
 # A JobSet's pods are named `<name>-<replicated job>-<job index>-<pod index>-<5 characters>`,
@@ -201,13 +207,85 @@ def tfjob(spec: LaunchSpec, name: str, image: str, script: str | None = None) ->
     }
 
 
+# A RayJob's pods' containers, unless told otherwise: one CPU for each task's actor (what a
+# task asks Ray for by default, `kerasps.ray.DEFAULT_RESOURCES`), the head's for the chief.
+RAY_TASK_POD = {"cpu": "1", "memory": "2Gi"}
+RAY_HEAD_POD = {"cpu": "1", "memory": "4Gi"}
+_RAY_HEAD_PORTS = (("gcs-server", 6379), ("dashboard", 8265), ("client", 10001))
+
+
+def _ray_entrypoint(spec: LaunchSpec, script: str | None) -> str:
+    """The RayJob's entrypoint: the same job under `kerasps launch --engine ray`, on the
+    RayJob's own Ray cluster (`--address auto`)."""
+    command = ["kerasps", "launch", "--engine", "ray", "--address", "auto",
+               "--workers", str(spec.workers), "--ps", str(spec.ps),
+               "--max-restarts", str(spec.max_restarts)]
+    if spec.gpus_per_worker:
+        command += ["--gpus-per-worker", str(spec.gpus_per_worker)]
+    program = _program_command(spec, script)[1:]  # without `python`
+    return shlex.join(command + program)
+
+
+def _ray_group(name: str, replicas: int, image: str, gpus: int | None) -> dict:
+    resources = dict(RAY_TASK_POD)
+    if gpus:
+        resources["nvidia.com/gpu"] = str(gpus)
+    return {
+        "groupName": name, "replicas": replicas, "minReplicas": replicas,
+        "maxReplicas": replicas,
+        "rayStartParams": {"num-cpus": RAY_TASK_POD["cpu"]},
+        "template": {"spec": {"containers": [{
+            "name": "ray-worker", "image": image,
+            "resources": {"requests": resources, "limits": resources}}]}},
+    }
+
+
+def rayjob(spec: LaunchSpec, name: str, image: str, script: str | None = None) -> dict:
+    """A KubeRay `RayJob` (`ray.io/v1`) for `spec` (`engine="ray"`); arguments as for
+    `jobset`.
+
+    Its Ray cluster: a head pod that offers Ray no CPU (no task's actor goes there) and runs
+    the entrypoint, `kerasps launch --engine ray --address auto ...`, whose chief is the
+    Ray driver; and one Ray worker pod per task (`RAY_TASK_POD`'s CPU and memory), in one
+    group, or with `gpus_per_worker` a group of GPU pods for the workers and one for the
+    ps tasks. KubeRay deletes the cluster when the job has finished.
+    """
+    name = job_name(name)
+    if spec.gpus_per_worker:
+        groups = [_ray_group("workers", spec.workers, image, spec.gpus_per_worker),
+                  _ray_group("ps", spec.ps, image, None)]
+    else:
+        groups = [_ray_group("tasks", spec.workers + spec.ps, image, None)]
+    head = {"name": "ray-head", "image": image,
+            "ports": [{"name": port_name, "containerPort": port}
+                      for port_name, port in _RAY_HEAD_PORTS],
+            "resources": {"requests": dict(RAY_HEAD_POD), "limits": dict(RAY_HEAD_POD)}}
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": {"name": name},
+        "spec": {
+            "entrypoint": _ray_entrypoint(spec, script),
+            "shutdownAfterJobFinishes": True,
+            "ttlSecondsAfterFinished": 300,
+            "rayClusterSpec": {
+                "headGroupSpec": {
+                    "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
+                    "template": {"spec": {"containers": [head]}},
+                },
+                "workerGroupSpecs": groups,
+            },
+        },
+    }
+
+
 def _restartable(spec: LaunchSpec) -> int:
     return 1 + spec.workers + spec.ps + int(spec.evaluator)  # the chief too
 
 
 def notes(spec: LaunchSpec, kind: str) -> str:
-    """What a `"JobSet"` or `"TFJob"` for `spec` does where `kerasps launch` would do
-    otherwise, as the comment lines that head its file."""
+    """What a `"JobSet"`, `"TFJob"` or `"RayJob"` for `spec` does where `kerasps launch`
+    would do otherwise, as the comment lines that head its file."""
     n = spec.max_restarts
     if kind == "JobSet":
         lines = [
@@ -239,9 +317,24 @@ def notes(spec: LaunchSpec, kind: str) -> str:
             "A restarted chief resumes from its BackupAndRestore backup, which must be on a",
             "volume. When the job ends, its running pods are deleted (cleanPodPolicy: Running).",
         ]
+    elif kind == "RayJob":
+        lines = [
+            "A KubeRay RayJob (KubeRay v1.1 or newer, ray.io/v1) made by",
+            "`kerasps launch --engine ray --emit k8s`. Its entrypoint runs on the head pod:",
+            "the chief is the Ray driver, and each worker and ps task a Ray actor on a Ray",
+            "worker pod (the head offers Ray no CPU). The image must hold kerasps[ray] and",
+            "the script, at the Ray version of the RayJob's cluster.",
+            f"Restarts, as `kerasps launch --engine ray --max-restarts {n}`: Ray restarts a",
+            f"task's actor whose process died up to {n} times, on its pod (same address);",
+            "one more death ends the job with an error naming the task. The launcher in the",
+            f"entrypoint restarts a failed chief up to {n} times: a new driver starts new",
+            "actors and resumes from its BackupAndRestore backup, which must be on a volume.",
+            "A lost worker pod is not recovered yet (Ray would place its actor on another",
+            "pod, at another address). The cluster is deleted when the job has finished.",
+        ]
     else:
-        raise ValueError(f"Invalid value for argument `kind`: expected 'JobSet' or 'TFJob'. "
-                         f"Received: kind={kind!r}")
+        raise ValueError(f"Invalid value for argument `kind`: expected 'JobSet', 'TFJob' or "
+                         f"'RayJob'. Received: kind={kind!r}")
     return "".join(f"# {line}\n" for line in lines)
 
 
