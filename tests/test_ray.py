@@ -252,6 +252,38 @@ def test_an_unsupported_ray_version_is_refused(monkeypatch):
         kerasps.ray.cluster(num_workers=1, num_ps=1)
 
 
+FAIL_CHIEF = """
+    import signal, threading, time
+    from kerasps.runtime import launch_env
+
+    def wait_for(done):
+        deadline = time.monotonic() + 10
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    seen = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: seen.append("previous"))
+    assert launch_env.install_chief_handler(anywhere=True)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+    wait_for(lambda: seen)
+    print("without a reason:", seen, launch_env.job_failed())
+    try:  # raised wherever the main thread is, here as soon as the thread starts
+        threading.Thread(target=launch_env.fail_chief, args=("ps 0 died",)).start()
+        wait_for(lambda: False)
+    except launch_env.TaskFailedError as e:
+        print("raised:", e, "|", launch_env.job_failed())
+"""
+
+
+def test_fail_chief_raises_in_the_main_thread_and_other_sigterms_go_to_the_previous_handler():
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(FAIL_CHIEF)],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["without a reason: ['previous'] None",
+                                          "raised: The job failed: ps 0 died. | ps 0 died"]
+
+
 def test_a_ray_drivers_output_is_split_into_its_own_lines_and_its_actors():
     from kerasps.ops.console import RayActorLines
 

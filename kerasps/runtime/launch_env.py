@@ -161,6 +161,8 @@ def install_chief_handler(anywhere: bool = False) -> bool:
             raise TaskFailedError(f"The job failed: {reason}.")
         if callable(previous):
             return previous(signum, frame)
+        if previous == signal.SIG_IGN:  # a program that ignores SIGTERM still does
+            return None
         raise SystemExit(128 + signum)  # the job is being stopped (Ctrl-C)
 
     on_sigterm._kerasps_chief = True
