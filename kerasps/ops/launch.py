@@ -63,7 +63,8 @@ worker and ps tasks as Ray actors (`kerasps.ray.cluster`), which Ray restarts wi
 budget. The chief is the Ray driver, and Ray forwards the actors' output to it; the console
 gives each actor's line to its task (`[worker 0] ...`). A chief that learns that an actor
 is dead for good writes why to the report file and fails; the launcher then ends the job
-(status 1) rather than restart it.
+(status 1) rather than restart it. After Ctrl-C the chief gets `RAY_INTERRUPT_GRACE`
+(10 s) to kill its actors and stop a local Ray before it is killed.
 
 This module is the supervisor (`Launcher`); the launch spec is `kerasps.ops.launch_spec`
 and what the tasks share with the launcher `kerasps.runtime.launch_env`, both
@@ -134,6 +135,8 @@ GRACE_PERIOD = 10.0
 # SIGTERM before SIGKILL. A second Ctrl-C kills every task at once.
 INTERRUPT_GRACE = 1.5
 STOP_GRACE = 0.5
+# A Ray driver (`--engine ray`) kills its actors and stops a local Ray as it exits: seconds.
+RAY_INTERRUPT_GRACE = 10.0
 POLL_INTERVAL = 0.05
 
 
@@ -496,7 +499,8 @@ class Launcher:
         (SIGKILL after `INTERRUPT_GRACE`); then SIGTERM to every task left, SIGKILL to
         those still there after `STOP_GRACE`."""
         programs = [p for p in self._processes.values() if runs_program(p.task.type)]
-        self._stop_processes(programs, signum=signum, grace=INTERRUPT_GRACE, report=True)
+        grace = RAY_INTERRUPT_GRACE if self.spec.engine == "ray" else INTERRUPT_GRACE
+        self._stop_processes(programs, signum=signum, grace=grace, report=True)
         self._stop_processes(self._all_processes(), grace=STOP_GRACE, report=True)
 
     def _shutdown(self):
