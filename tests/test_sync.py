@@ -284,3 +284,38 @@ def test_measure_staleness_false_drops_the_counter_and_its_log(make_strategy):
 def test_strategy_refuses_bad_consistency_arguments(make_strategy, kwargs, match):
     with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
         make_strategy(**kwargs)
+
+
+@pytest.mark.parametrize("mode", ["sync", "hybrid"])
+def test_a_batch_callback_in_sync_mode_reads_the_metrics_not_every_steps_logs(make_strategy,
+                                                                               monkeypatch,
+                                                                               mode):
+    # Each result copied from a worker keeps ~3 KB there for good (TensorFlow's kernel
+    # cache): with a batch callback (the bar, `BackupAndRestore(save_freq=N)`), every
+    # worker's gradient function returned its logs at every global step.
+    from kerasps.backend import _tf
+
+    reads = []
+    copy = _tf._ResultOnCoordinator._copy_to_local
+
+    def counted(remote):
+        if remote._values is not None:
+            reads.append(remote)
+        return copy(remote)
+
+    monkeypatch.setattr(_tf._ResultOnCoordinator, "_copy_to_local", counted)
+    strategy = make_strategy(mode=mode)
+    with strategy.scope():
+        model = _dense_model()
+    batches = []
+    callback = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: batches.append(dict(logs)))
+    history = model.fit(kerasps.DatasetCreator(_slow_worker_fn(0.0)), epochs=2,
+                        steps_per_epoch=8, verbose=0, callbacks=[callback])
+    assert int(model.optimizer.iterations.numpy()) == 16
+    # Each global step's update returns the step count (16 reads; see limitations). The
+    # gradient functions return logs at each epoch's first and last global steps only,
+    # one result per worker each: 4 steps.
+    assert len(reads) == 16 + 4 * strategy.num_workers, len(reads)
+    assert len(batches) == 16 and all("loss" in logs for logs in batches)
+    assert len(history.history["loss"]) == 2

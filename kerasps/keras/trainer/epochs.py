@@ -229,6 +229,8 @@ class SyncEpochs(_RepeatedInput):
     computes a gradient, the first `num_workers - backup_workers` are averaged
     and applied once, the others dropped (counted in `dropped`)."""
 
+    logs_checked = False  # whether the first step's logs told `custom_logs`
+
     def restart(self, step: int):
         super().restart(step)
         self.synchronous = SyncSteps.of_model(self.model, self.call.coordinator)
@@ -237,12 +239,18 @@ class SyncEpochs(_RepeatedInput):
         steps_per_epoch = self.call.steps_per_epoch
         while self._more():
             self._before_steps(self.scheduled)
-            with_logs = self.call.batch_logs or self.first or (
-                self.scheduled + 1 == steps_per_epoch)
+            # Logs from the first step (which tells whether they are the metrics'
+            # results) and the last; from every step only where a callback reads batch
+            # logs and they are not the metrics' (otherwise `_batch_logs` reads those).
+            with_logs = self.first or self.scheduled + 1 == steps_per_epoch or (
+                self.call.batch_logs and self.custom_logs)
             results, lost = self.synchronous.run(
                 (self.iterator,), self.epoch * steps_per_epoch + self.scheduled, with_logs)
             self.dropped += lost
             self.scheduled, self.first = self.scheduled + 1, False
+            if self.logs_checked is False and results[-1] is not None:
+                self.logs_checked = True  # once per `fit` call
+                self.custom_logs = not _metrics_results(self.model, results[-1])
             self.deliver([(self.scheduled - 1, results[-1])])
 
     def _drain(self):
@@ -345,6 +353,14 @@ class ExactlyOnceEpochs(Epochs):
                     worker, make_train_to_end_function(self.model, with_logs=True),
                     (self.iterator, 1))
                 self._deliver_counted([(1, remote.fetch())])
+
+
+def _metrics_results(model, result) -> bool:
+    """True if a step's `result` holds its logs and they are the model's metrics' results
+    (Keras' `train_step`), the counts aside."""
+    logs = unpack(model, result) if result is not None else None
+    return isinstance(logs, dict) and (
+        set(staleness.without_counts(logs)) == set(model.get_metrics_result()))
 
 
 def for_call(call: FitCall) -> Epochs:
