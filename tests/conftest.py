@@ -52,3 +52,20 @@ def strategy(make_strategy):
     import kerasps
 
     return make_strategy(variable_partitioner=kerasps.partitioners.FixedShardsPartitioner(2))
+
+
+@pytest.fixture
+def results_read(monkeypatch):
+    """Counts the scheduled functions' results copied to the coordinator (not None)."""
+    from kerasps.backend import _tf
+
+    reads = []
+    copy = _tf._ResultOnCoordinator._copy_to_local
+
+    def counted(remote):
+        if remote._values is not None:
+            reads.append(remote)
+        return copy(remote)
+
+    monkeypatch.setattr(_tf._ResultOnCoordinator, "_copy_to_local", counted)
+    return reads

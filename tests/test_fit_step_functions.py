@@ -195,23 +195,6 @@ def test_logs_come_back_as_one_tensor_with_the_values_keras_logs_hold(strategy):
         assert all(type(value) in (float, int) for value in log.values())
 
 
-@pytest.fixture
-def results_read(monkeypatch):
-    """Counts the scheduled functions' results copied to the coordinator (not None)."""
-    from kerasps.backend import _tf
-
-    reads = []
-    copy = _tf._ResultOnCoordinator._copy_to_local
-
-    def counted(remote):
-        if remote._values is not None:
-            reads.append(remote)
-        return copy(remote)
-
-    monkeypatch.setattr(_tf._ResultOnCoordinator, "_copy_to_local", counted)
-    return reads
-
-
 @pytest.mark.parametrize("spe", [1, 4])
 def test_batch_callbacks_read_the_metrics_not_each_functions_result(strategy, results_read,
                                                                     spe):

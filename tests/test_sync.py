@@ -288,22 +288,11 @@ def test_strategy_refuses_bad_consistency_arguments(make_strategy, kwargs, match
 
 @pytest.mark.parametrize("mode", ["sync", "hybrid"])
 def test_a_batch_callback_in_sync_mode_reads_the_metrics_not_every_steps_logs(make_strategy,
-                                                                               monkeypatch,
+                                                                               results_read,
                                                                                mode):
     # Each result copied from a worker keeps ~3 KB there for good (TensorFlow's kernel
     # cache): with a batch callback (the bar, `BackupAndRestore(save_freq=N)`), every
     # worker's gradient function returned its logs at every global step.
-    from kerasps.backend import _tf
-
-    reads = []
-    copy = _tf._ResultOnCoordinator._copy_to_local
-
-    def counted(remote):
-        if remote._values is not None:
-            reads.append(remote)
-        return copy(remote)
-
-    monkeypatch.setattr(_tf._ResultOnCoordinator, "_copy_to_local", counted)
     strategy = make_strategy(mode=mode)
     with strategy.scope():
         model = _dense_model()
@@ -316,6 +305,6 @@ def test_a_batch_callback_in_sync_mode_reads_the_metrics_not_every_steps_logs(ma
     # Each global step's update returns the step count (16 reads; see limitations). The
     # gradient functions return logs at each epoch's first and last global steps only,
     # one result per worker each: 4 steps.
-    assert len(reads) == 16 + 4 * strategy.num_workers, len(reads)
+    assert len(results_read) == 16 + 4 * strategy.num_workers, len(results_read)
     assert len(batches) == 16 and all("loss" in logs for logs in batches)
     assert len(history.history["loss"]) == 2
