@@ -168,7 +168,7 @@ def sync_functions(strategy, optimizer, step, num_slots, needed, counter=None):
     Returns:
         `({with_logs: gradient function}, apply function, GradientSlots)`:
         a gradient function takes `(slot, *args)` and returns `step`'s outputs
-        (or nothing); the apply function takes the kept slots.
+        (or nothing); the apply function takes the kept slots and returns nothing.
     """
     slots = GradientSlots(num_slots)
     mode = strategy.consistency.mode
@@ -217,8 +217,9 @@ def sync_functions(strategy, optimizer, step, num_slots, needed, counter=None):
             else:  # hybrid, every variable updated on arrival: the global step still counts
                 optimizer.iterations.assign_add(1)
 
+        # Nothing returned: a result copied to the chief keeps a kernel on the worker for
+        # good (TensorFlow's kernel cache); the closure's fetch waits for the update.
         strategy.run(update)
-        return optimizer.iterations.value
 
     return ({True: gradient_function(True), False: gradient_function(False)},
             tf.function(apply), slots)
