@@ -52,6 +52,7 @@ _LAZY = {
     "PsTaskFailedError": "kerasps.policy.failures",
     "TaskFailedError": "kerasps.runtime.launch_env",
     "SidecarEvaluator": "kerasps.keras.evaluator",
+    "DeltaConsumer": "kerasps.keras.serving",
     "cluster": None,
     "partitioners": None,
     "placement": None,

@@ -6,9 +6,10 @@ import os
 
 import keras
 
+from kerasps.keras.publish import PublishDeltas
 from kerasps.policy import trace as trace_lib
 
-__all__ = ["StepTraceRecorder"]
+__all__ = ["PublishDeltas", "StepTraceRecorder"]
 
 
 class StepTraceRecorder(keras.callbacks.Callback):

@@ -45,6 +45,7 @@ import keras
 import tensorflow as tf
 
 from kerasps.backend import _keras
+from kerasps.params import changes as changes_lib
 
 __all__ = ["EXACT", "LAZY", "MODES", "validate_mode", "update_rows"]
 
@@ -78,6 +79,7 @@ class _Rows:
         self.grad = tf.math.unsorted_segment_sum(
             tf.cast(gradient.values, self.dtype), positions, tf.shape(self.indices)[0])
         self.lr = tf.cast(learning_rate, self.dtype)
+        self.moved_every_row = None  # a bool tensor where the rule may move every row
 
     def cast(self, value):
         return tf.cast(value, self.dtype)
@@ -194,7 +196,7 @@ def _ftrl(rows, exact):
         _ftrl_rows(rows)
         return tf.constant(False)
 
-    tf.cond(tf.equal(rows.optimizer.iterations, 0), dense, sparse)
+    rows.moved_every_row = tf.cond(tf.equal(rows.optimizer.iterations, 0), dense, sparse)
 
 
 def _ftrl_is_exact(opt):
@@ -225,8 +227,39 @@ def update_rows(optimizer, gradient, variable, learning_rate, mode, weight_decay
 
     Returns:
         `True` if the rows were updated, `False` if nothing was done and the
-        caller must run Keras' dense update.
+        caller must run Keras' dense update. A variable whose changed rows are
+        tracked (`kerasps.params.changes.track`) always gets its update here, the
+        dense one included, and its rows flagged after it: `True`.
     """
+    changes = changes_lib.changes_of(variable)
+    rows = _update_rows(optimizer, gradient, variable, learning_rate, mode, weight_decay)
+    if changes is None:
+        return rows is not False
+    # A tracked table's rows (`kerasps.params.changes`): flagged once written.
+    if rows is False:
+        # Keras' dense update, run here so that every row is flagged after it.
+        if weight_decay:
+            decay(optimizer, variable)
+        optimizer.update_step(gradient, variable, learning_rate)
+    if isinstance(rows, _Rows) and rows.moved_every_row is not None:  # Ftrl's first step
+        def flagged(mark):
+            def run():
+                with tf.control_dependencies([mark([changes_lib.written(variable)])]):
+                    return tf.constant(True)
+            return run
+
+        tf.cond(rows.moved_every_row, flagged(changes.mark_all),
+                flagged(lambda after: changes.mark(rows.indices, after)))
+    elif isinstance(rows, _Rows):
+        changes.mark(rows.indices, after=[changes_lib.written(variable)])
+    else:  # every row moved: the dense rule, or fused Adam over the shard
+        changes.mark_all(after=[changes_lib.written(variable)])
+    return True
+
+
+def _update_rows(optimizer, gradient, variable, learning_rate, mode, weight_decay):
+    """`update_rows`' work: the `_Rows` updated, `True` for a dense update done here
+    (fused Adam), `False` for nothing done."""
     rule = _RULES.get(type(optimizer).update_step)
     if not isinstance(gradient, tf.IndexedSlices) or rule is None:
         return False
@@ -240,7 +273,7 @@ def update_rows(optimizer, gradient, variable, learning_rate, mode, weight_decay
         decay(optimizer, variable, rows)
     # Exact wherever the math allows it, in the strategy's modes; rows only in "rows".
     apply(rows, exact and mode != ROWS)
-    return True
+    return rows
 
 
 def _adam_in_one_pass(optimizer, gradient, variable, learning_rate, weight_decay) -> bool:

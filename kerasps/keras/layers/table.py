@@ -42,6 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerasps.backend import _keras, _tf
+from kerasps.params import changes as changes_lib
 from kerasps.params import variables as variables_lib
 from kerasps.policy import tables
 from kerasps.policy.tables import (
@@ -421,6 +422,9 @@ class _Shard:
         ]
         with tf.control_dependencies(effects):
             effect = self.free_count.assign_add(released, read_value=False)
+        flagged = changes_lib.mark(self.tf_variable("rows"), victims, after=effects)
+        if flagged is not None:  # tracked: the freed rows' keys are gone at the next publish
+            effect = tf.group(effect, flagged)
         return released, effect
 
     def _reset(self, rows, keys):
@@ -430,6 +434,9 @@ class _Shard:
             slot = _keras.tf_variable(slot)
             effects.append(_scatter_update(slot, rows, tf.tile(
                 tf.constant(initial, slot.dtype), [tf.size(rows), 1])))
+        flagged = changes_lib.mark(self.tf_variable("rows"), rows, after=effects[:1])
+        if flagged is not None:  # tracked: admitted rows are published
+            effects.append(flagged)
         return effects
 
     def gather(self, rows):

@@ -1,0 +1,294 @@
+"""Online training (issue 41): `kerasps.callbacks.PublishDeltas` publishes the rows that
+changed, `kerasps.DeltaConsumer` applies them without a cluster.
+
+The trained model has a fixed table (a sharded `Embedding`), a `DynamicEmbedding` small
+enough to evict (capacity 32, ids up to 200: admissions and tombstones in most versions)
+and dense layers. The consumer's rows are compared with the trainer's bit for bit, at
+every version.
+"""
+
+import json
+import os
+import shutil
+import signal
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerasps
+from kerasps.keras import serving
+from kerasps.policy import deltas
+from tests.launched import run_with_deadline
+
+FIXED, DYNAMIC = "fixed/embeddings", "dynamic/rows"
+BATCH = np.stack([np.arange(24) % 64, np.arange(24) * 7 % 200], axis=1).astype("int64")
+
+
+def build(strategy, optimizer="adagrad"):
+    with strategy.scope():
+        ids = keras.Input((2,), dtype="int64")
+        fixed = keras.layers.Embedding(64, 4, name="fixed")(ids[:, :1])
+        dynamic = kerasps.layers.DynamicEmbedding(4, capacity=32, num_partitions=2, seed=1,
+                                                  name="dynamic")(ids[:, 1:])
+        x = keras.layers.Flatten()(keras.layers.Concatenate()([fixed, dynamic]))
+        model = keras.Model(ids, keras.layers.Dense(1, name="head")(x))
+        model.compile(optimizer, "mse")
+    return model
+
+
+def dataset_fn(input_context):
+    rng = np.random.default_rng(input_context.input_pipeline_id)
+    x = np.stack([rng.integers(0, 64, 2048), rng.integers(0, 200, 2048)], axis=1)
+    return tf.data.Dataset.from_tensor_slices((x, (x[:, 0] % 2) * 1.0)).repeat().batch(8)
+
+
+def trainer_state(model):
+    """(fixed rows, dynamic keys sorted, their rows, dense weights) of the trainer."""
+    layer = model.get_layer("dynamic")
+    state, rows = layer.state.numpy(), layer.rows.numpy()
+    occupied = state[:, 1] >= 0
+    keys = state[occupied, 0]
+    order = np.argsort(keys, kind="stable")
+    head = model.get_layer("head")
+    dense = [head.kernel.numpy(), head.bias.numpy()]
+    return model.get_layer("fixed").embeddings.numpy(), keys[order], rows[occupied][order], dense
+
+
+def consumer_state(consumer):
+    keys, rows = consumer.items(DYNAMIC)
+    weights = consumer.weights()
+    return (consumer.rows(FIXED), keys, rows,
+            [weights["head/kernel"], weights["head/bias"]])
+
+
+def assert_same(expected, received, what):
+    for name, a, b in zip(("fixed rows", "dynamic keys", "dynamic rows", "dense"),
+                          expected, received):
+        if name == "dense":
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(x, y, err_msg=f"{what}: {name}")
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=f"{what}: {name}")
+
+
+@pytest.fixture(scope="module")
+def published(cluster, tmp_path_factory):
+    """A base and 50 deltas: a `fit` publishing every 3 steps (6 versions), then a custom
+    loop publishing after each step (45 more); the trainer's state at each version from
+    the end of the `fit` on (no step runs during those publishes), and its predictions
+    of `BATCH` at the end."""
+    strategy = kerasps.ParameterServerStrategy(
+        cluster, variable_partitioner=kerasps.partitioners.FixedShardsPartitioner(2))
+    model = build(strategy)
+    directory = tmp_path_factory.mktemp("published") / "deltas"
+    publisher = kerasps.callbacks.PublishDeltas(directory, every_steps=3)
+    model.fit(kerasps.DatasetCreator(dataset_fn), epochs=2, steps_per_epoch=6, verbose=0,
+              callbacks=[publisher])
+    fit_versions = list(publisher.published)
+    states = {publisher.version: trainer_state(model)}
+    rng = np.random.default_rng(7)
+    for _ in range(45):
+        x = np.stack([rng.integers(0, 64, 8), rng.integers(0, 200, 8)], axis=1)
+        model.train_on_batch(x, (x[:, :1] % 2) * 1.0)
+        publisher.publish()
+        states[publisher.version] = trainer_state(model)
+    return {"directory": directory, "states": states, "fit_versions": fit_versions,
+            "versions": publisher.published, "final": trainer_state(model),
+            "predictions": model.predict(BATCH, verbose=0)}
+
+
+def copy_of(published, tmp_path):
+    target = tmp_path / "deltas"
+    shutil.copytree(published["directory"], target)
+    return target
+
+
+def folder(directory, version):
+    return directory / deltas.version_name(version)
+
+
+# -- exactness ----------------------------------------------------------------------
+def test_a_base_and_50_deltas_give_the_trainers_rows_bit_for_bit(published):
+    # `fit`: a full version at its start, one every 3 steps, one at its end.
+    assert published["fit_versions"] == [(1, "full"), *((v, "delta") for v in range(2, 7))]
+    assert [kind for _, kind in published["versions"]] == ["full"] + ["delta"] * 50
+    directory = published["directory"]
+    consumer = kerasps.DeltaConsumer(directory)
+    manifests = [deltas.read_manifest(folder(directory, v)) for v in range(1, 52)]
+    for version in range(1, 52):
+        assert consumer.apply(folder(directory, version))
+        assert consumer.version == version
+        if version in published["states"]:
+            assert_same(published["states"][version], consumer_state(consumer), f"v{version}")
+    assert len(published["states"]) == 46
+    # The dynamic table admitted ids after the base (empty at the base) and evicted some.
+    dynamic = [next(t for t in m["tables"] if t["name"] == DYNAMIC) for m in manifests]
+    assert dynamic[0]["count"] == 0 and len(published["final"][1]) == 32
+    assert sum(t.get("tombstones", 0) for t in dynamic) > 0
+    # A delta holds the rows of the batch, not the table (a step touches 8 rows of 64).
+    fixed = [next(t for t in m["tables"] if t["name"] == FIXED) for m in manifests]
+    assert fixed[0]["count"] == 64 and all(0 < t["count"] <= 8 for t in fixed[7:])
+    # Its model predicts what the trainer's does.
+    np.testing.assert_array_equal(consumer.model.predict(BATCH, verbose=0),
+                                  published["predictions"])
+
+
+def test_a_new_consumer_starts_from_the_latest_full_version(published, tmp_path):
+    directory = copy_of(published, tmp_path)
+    consumer = kerasps.DeltaConsumer(directory)
+    assert consumer.update() == list(range(1, 52))
+    assert consumer.update() == []
+    assert_same(published["final"], consumer_state(consumer), "final")
+
+
+def test_a_dense_rule_marks_every_row_and_a_custom_loop_publishes_by_a_call(
+        make_strategy, tmp_path):
+    # Adam's exact update moves every row of the table (fused, on the ps task): each
+    # delta holds every row. A publish with nothing changed is a delta of no rows.
+    strategy = make_strategy(variable_partitioner=kerasps.partitioners.FixedShardsPartitioner(2))
+    model = build(strategy, optimizer="adam")
+    publisher = kerasps.callbacks.PublishDeltas(tmp_path / "d", model=model)
+    consumer = kerasps.DeltaConsumer(tmp_path / "d")
+    x, y = BATCH[:8], np.ones([8, 1], "float32")
+    publisher.publish()
+    assert consumer.update() == [1]
+    for _ in range(3):
+        model.train_on_batch(x, y)
+        publisher.publish()
+        assert consumer.update() == [publisher.version]
+        assert_same(trainer_state(model), consumer_state(consumer), f"v{publisher.version}")
+    unchanged = deltas.read_manifest(publisher.publish())
+    assert unchanged["kind"] == "delta"
+    counts = {t["name"]: t["count"] for t in unchanged["tables"]}
+    assert counts == {FIXED: 0, DYNAMIC: 0}
+    assert consumer.update() == [publisher.version]
+    manifest = deltas.read_manifest(folder(tmp_path / "d", 3))
+    assert {t["name"]: t["count"] for t in manifest["tables"]}[FIXED] == 64
+
+
+# -- faults ---------------------------------------------------------------------------
+def test_a_gap_is_refused_naming_the_version_expected(published, tmp_path):
+    directory = copy_of(published, tmp_path)
+    consumer = kerasps.DeltaConsumer(directory)
+    for version in range(1, 8):
+        consumer.apply(folder(directory, version))
+    shutil.rmtree(folder(directory, 8))
+    with pytest.raises(ValueError, match=r"expected version 8 .*Received: version 9, a delta "
+                                         r"of version 8"):
+        consumer.update()
+    assert consumer.version == 7
+    assert_same(published["states"][7], consumer_state(consumer), "after the gap")
+
+
+def test_a_repeated_version_is_done(published, tmp_path):
+    directory = published["directory"]
+    consumer = kerasps.DeltaConsumer(directory)
+    for version in range(1, 8):
+        assert consumer.apply(folder(directory, version))
+    assert not consumer.apply(folder(directory, 7))
+    assert not consumer.apply(folder(directory, 1))
+    assert consumer.version == 7
+    assert_same(published["states"][7], consumer_state(consumer), "repeated")
+
+
+def test_a_corrupted_file_is_refused_and_nothing_changes(published, tmp_path):
+    directory = copy_of(published, tmp_path)
+    consumer = kerasps.DeltaConsumer(directory)
+    for version in range(1, 8):
+        consumer.apply(folder(directory, version))
+    damaged = folder(directory, 8) / "table_1.rows.npy"
+    good = damaged.read_bytes()
+    damaged.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(ValueError, match=r"Bad checksum of .*table_1\.rows\.npy.*expected "
+                                         r"sha256 [0-9a-f]{64}\. Received: sha256 [0-9a-f]{64}"):
+        consumer.update()
+    assert consumer.version == 7
+    assert_same(published["states"][7], consumer_state(consumer), "after the refusal")
+    damaged.write_bytes(good)
+    consumer.update()
+    assert_same(published["final"], consumer_state(consumer), "final")
+
+
+def test_a_consumer_stopped_mid_apply_applies_the_version_again(published, monkeypatch):
+    directory = published["directory"]
+    consumer = kerasps.DeltaConsumer(directory)
+    consumer.apply(folder(directory, 1))
+    apply = serving._Dynamic.apply
+
+    def stopped(self, *args):  # the fixed table is applied, the dynamic one half
+        apply(self, *args)
+        raise KeyboardInterrupt("stopped mid-apply")
+
+    monkeypatch.setattr(serving._Dynamic, "apply", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        consumer.apply(folder(directory, 2))
+    monkeypatch.undo()
+    assert consumer.version == 1
+    assert consumer.update() == list(range(2, 52))
+    assert_same(published["final"], consumer_state(consumer), "final")
+    np.testing.assert_array_equal(consumer.model.predict(BATCH, verbose=0),
+                                  published["predictions"])
+
+
+def test_a_partial_version_is_never_visible(tmp_path):
+    with pytest.raises(RuntimeError):
+        with deltas.VersionWriter(tmp_path, 1, None, deltas.FULL) as writer:
+            with open(writer.path("dense.npz"), "wb") as file:
+                file.write(b"half")
+            raise RuntimeError("killed mid-publish")
+    assert os.listdir(tmp_path) == []
+    # A publisher killed outright leaves its temporary folder: no version to a reader,
+    # removed by the next publisher.
+    (tmp_path / f"{deltas.TEMPORARY_PREFIX}v00000001-x").mkdir()
+    assert deltas.versions(tmp_path) == []
+    assert deltas.remove_temporaries(tmp_path) == [f"{deltas.TEMPORARY_PREFIX}v00000001-x"]
+
+
+def test_arguments_are_checked_keras_style(tmp_path):
+    with pytest.raises(ValueError, match=r"`every_steps`.*Received: every_steps=0"):
+        kerasps.callbacks.PublishDeltas(tmp_path, every_steps=0)
+    with pytest.raises(ValueError, match=r"`dtype`.*Received: dtype='int8'"):
+        kerasps.callbacks.PublishDeltas(tmp_path, dtype="int8")
+    with pytest.raises(ValueError, match="no model"):
+        kerasps.callbacks.PublishDeltas(tmp_path).publish()
+    consumer = kerasps.DeltaConsumer(tmp_path)
+    assert consumer.update() == []
+    (tmp_path / "v00000002").mkdir()
+    (tmp_path / "v00000002" / "manifest.json").write_text(json.dumps({
+        "format": deltas.FORMAT, "version": 2, "applies_to": 1, "kind": "delta",
+        "files": {}}))
+    with pytest.raises(ValueError, match="No full version .* to start from"):
+        consumer.update()
+
+
+@pytest.mark.slow
+def test_a_consumer_process_killed_mid_apply_leaves_the_versions_whole(published, tmp_path):
+    directory = copy_of(published, tmp_path)
+    before = {p: p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+    program = textwrap.dedent(f"""
+        import os, signal, sys
+        import kerasps
+        from kerasps.keras import serving
+        apply = serving._Dynamic.apply
+        def killed(self, *args):
+            apply(self, *args)
+            if consumer_version[0] == 9:  # applying version 10: the dynamic table done
+                os.kill(os.getpid(), signal.SIGKILL)
+        consumer_version = [None]
+        serving._Dynamic.apply = killed
+        consumer = kerasps.DeltaConsumer({str(directory)!r})
+        for v in range(1, 52):
+            consumer_version[0] = consumer.version
+            consumer.apply(os.path.join({str(directory)!r}, "v%08d" % v))
+        print("not killed")
+    """)
+    done = run_with_deadline(program, deadline=240, cwd=os.getcwd(),
+                             what="a consumer killed mid-apply")
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+    assert {p: p.read_bytes() for p in directory.rglob("*") if p.is_file()} == before
+    consumer = kerasps.DeltaConsumer(directory)
+    assert consumer.update() == list(range(1, 52))
+    assert_same(published["final"], consumer_state(consumer), "final")
