@@ -244,8 +244,14 @@ class PublishDeltas(keras.callbacks.Callback):
                 tables.append(table)
                 covered.add(id(layer.embeddings))
         self._tables = tables
-        self._dense = [v for v in variables_lib.logical_variables(model.weights)
-                       if id(v) not in covered]
+        logical = variables_lib.logical_variables(model.weights)
+        # Where each one is among the model's weights: a consumer's model built from the
+        # same config has them in the same order (its paths may differ: name scopes).
+        self._index = {id(v): i for i, v in enumerate(logical)}
+        for table in tables:
+            table.index = self._index.get(id(table.variable if table.kind == "fixed"
+                                             else table.table.rows))
+        self._dense = [v for v in logical if id(v) not in covered]
         # Functions traced before the tables were tracked set no flags.
         forget_step_functions(model)
 
@@ -332,7 +338,8 @@ class PublishDeltas(keras.callbacks.Callback):
             tables = []
             for index, table in enumerate(self._tables):
                 content = table.read(full)
-                entry = {**table.describe(), "count": int(content["count"]), "files": {}}
+                entry = {**table.describe(), "index": table.index,
+                         "count": int(content["count"]), "files": {}}
                 for part in ("ids", "keys", "rows", "tombstones"):
                     array = content.get(part)
                     if array is None:
@@ -351,6 +358,7 @@ class PublishDeltas(keras.callbacks.Callback):
             for index, variable in enumerate(self._dense):
                 arrays[f"w{index}"] = self._cast(np.asarray(variable.numpy()))
                 dense.append({"path": variable.path, "key": f"w{index}",
+                              "index": self._index[id(variable)],
                               "shape": list(variable.shape),
                               "dtype": keras.backend.standardize_dtype(variable.dtype)})
             with open(writer.path("dense.npz"), "wb") as file:

@@ -225,6 +225,7 @@ class DeltaConsumer:
             self._tables = {entry["name"]: (_Dynamic(entry) if entry["kind"] == "dynamic"
                                             else _Fixed(entry)) for entry, _ in tables}
             self._dense_entries = manifest["dense"]["weights"]
+            self._table_entries = [entry for entry, _ in tables]
         changed = {}
         for entry, arrays in tables:
             changed[entry["name"]] = self._tables[entry["name"]].apply(entry, arrays, full)
@@ -259,43 +260,40 @@ class DeltaConsumer:
                 f"Received: {sorted(names)}")
 
     def _bind(self, model):
-        """Finds the model's variables for the tables and the dense weights."""
+        """Finds the model's variables for the tables and the dense weights: at the
+        same place among its weights as in the trainer's model (built from the same
+        config), else by path; with the same shape."""
         logical = variables_lib.logical_variables(model.weights)
         by_path = {v.path: v for v in logical}
-        layers = {layer.name: layer for layer in model._flatten_layers()}
-        used = set()
-        for table in self._tables.values():
+
+        def find(entry, shape, what):
+            index, path = entry.get("index"), entry.get("path") or entry.get("name")
+            at_index = logical[index] if index is not None and index < len(logical) else None
+            for variable in (at_index, by_path.get(path)):
+                if variable is not None and tuple(variable.shape) == tuple(shape):
+                    return variable
+            raise DeltaError(
+                f"Invalid `model`: expected {what} {path!r} "
+                f"of shape {tuple(shape)} (weight {index} of the trainer's model). "
+                f"Received: a model whose weights are "
+                f"{[(v.path, tuple(v.shape)) for v in logical]}")
+
+        for entry in self._table_entries:
+            table = self._tables[entry["name"]]
             if isinstance(table, _Dynamic):
-                layer = layers.get(table.layer_name)
-                if not isinstance(layer, DynamicEmbedding):
+                rows = find(entry, (table.capacity, table.dim), "the rows of a dynamic table")
+                layer = next((layer for layer in model._flatten_layers()
+                              if isinstance(layer, DynamicEmbedding)
+                              and layer._table is not None and layer.rows is rows), None)
+                if layer is None:
                     raise DeltaError(
-                        f"Invalid `model`: expected a `DynamicEmbedding` layer named "
-                        f"{table.layer_name!r} for table {table.name!r}. Received: "
-                        f"{type(layer).__name__ if layer is not None else 'no such layer'}")
+                        f"Invalid `model`: expected a `DynamicEmbedding` layer for table "
+                        f"{table.name!r}. Received: weight {rows.path!r} of another layer")
                 table.layer = layer
-                used |= {id(v) for v in layer._table.variables}
             else:
-                variable = by_path.get(table.name)
-                if variable is None or tuple(variable.shape) != table.rows.shape:
-                    raise DeltaError(
-                        f"Invalid `model`: expected a variable {table.name!r} of shape "
-                        f"{table.rows.shape}. Received: "
-                        f"{None if variable is None else tuple(variable.shape)}")
-                table.variable = variable
-                used.add(id(variable))
-        rest = [v for v in logical if id(v) not in used]
-        variables = []
-        for index, entry in enumerate(self._dense_entries):
-            variable = by_path.get(entry["path"])
-            if variable is None or id(variable) in used:
-                variable = rest[index] if index < len(rest) else None
-            if variable is None or list(variable.shape) != list(entry["shape"]):
-                raise DeltaError(
-                    f"Invalid `model`: expected a weight {entry['path']!r} of shape "
-                    f"{tuple(entry['shape'])}. Received: "
-                    f"{None if variable is None else (variable.path, tuple(variable.shape))}")
-            variables.append(variable)
-        self._dense_variables = variables
+                table.variable = find(entry, table.rows.shape, "a table")
+        self._dense_variables = [find(entry, entry["shape"], "a weight")
+                                 for entry in self._dense_entries]
 
     # -- what the consumer holds ----------------------------------------------------
     @property
