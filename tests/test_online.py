@@ -144,12 +144,18 @@ def test_a_new_consumer_starts_from_the_latest_full_version(published, tmp_path)
     assert_same(published["final"], consumer_state(consumer), "final")
 
 
+@pytest.fixture(scope="module")
+def adam_model(cluster):
+    strategy = kerasps.ParameterServerStrategy(
+        cluster, variable_partitioner=kerasps.partitioners.FixedShardsPartitioner(2))
+    return build(strategy, optimizer="adam")
+
+
 def test_a_dense_rule_marks_every_row_and_a_custom_loop_publishes_by_a_call(
-        make_strategy, tmp_path):
+        adam_model, tmp_path):
     # Adam's exact update moves every row of the table (fused, on the ps task): each
     # delta holds every row. A publish with nothing changed is a delta of no rows.
-    strategy = make_strategy(variable_partitioner=kerasps.partitioners.FixedShardsPartitioner(2))
-    model = build(strategy, optimizer="adam")
+    model = adam_model
     publisher = kerasps.callbacks.PublishDeltas(tmp_path / "d", model=model)
     consumer = kerasps.DeltaConsumer(tmp_path / "d")
     x, y = BATCH[:8], np.ones([8, 1], "float32")
@@ -167,6 +173,29 @@ def test_a_dense_rule_marks_every_row_and_a_custom_loop_publishes_by_a_call(
     assert consumer.update() == [publisher.version]
     manifest = deltas.read_manifest(folder(tmp_path / "d", 3))
     assert {t["name"]: t["count"] for t in manifest["tables"]}[FIXED] == 64
+
+
+def test_full_every_float16_and_a_new_publisher_continue_the_chain(adam_model, tmp_path):
+    model, x, y = adam_model, BATCH[8:16], np.zeros([8, 1], "float32")
+    first = kerasps.callbacks.PublishDeltas(tmp_path / "d", model=model)
+    first.publish()
+    model.train_on_batch(x, y)
+    first.publish()
+    # A new publisher (a restarted trainer) continues the numbering with a full version.
+    publisher = kerasps.callbacks.PublishDeltas(tmp_path / "d", model=model, full_every=2,
+                                                dtype="float16")
+    kinds = []
+    for _ in range(3):
+        model.train_on_batch(x, y)
+        kinds.append(deltas.read_manifest(publisher.publish())["kind"])
+    assert publisher.published == [(3, "full"), (4, "delta"), (5, "full")]
+    assert kinds == ["full", "delta", "full"]
+    consumer = kerasps.DeltaConsumer(tmp_path / "d")
+    assert consumer.update() == [5]  # the latest full version
+    fixed = model.get_layer("fixed").embeddings.numpy()
+    np.testing.assert_array_equal(consumer.rows(FIXED), fixed.astype("float16").astype(
+        "float32"))
+    assert np.load(tmp_path / "d" / "v00000005" / "table_0.rows.npy").dtype == np.float16
 
 
 # -- faults ---------------------------------------------------------------------------
