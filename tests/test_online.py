@@ -198,6 +198,24 @@ def test_full_every_float16_and_a_new_publisher_continue_the_chain(adam_model, t
     assert np.load(tmp_path / "d" / "v00000005" / "table_0.rows.npy").dtype == np.float16
 
 
+def test_ftrls_first_step_moves_every_row_and_publishes_them(make_strategy, tmp_path):
+    # Keras' Ftrl moves every row to its closed form at its first step (kerasps runs it
+    # dense then), and only the batch's rows after.
+    strategy = make_strategy(variable_partitioner=kerasps.partitioners.FixedShardsPartitioner(2))
+    model = build(strategy, optimizer="ftrl")
+    publisher = kerasps.callbacks.PublishDeltas(tmp_path / "d", model=model)
+    consumer = kerasps.DeltaConsumer(tmp_path / "d")
+    publisher.publish()
+    counts = []
+    for _ in range(2):
+        model.train_on_batch(BATCH[:8], np.ones([8, 1], "float32"))
+        manifest = deltas.read_manifest(publisher.publish())
+        counts.append({t["name"]: t["count"] for t in manifest["tables"]}[FIXED])
+        consumer.update()
+        assert_same(trainer_state(model), consumer_state(consumer), f"v{publisher.version}")
+    assert counts == [64, 8]
+
+
 # -- faults ---------------------------------------------------------------------------
 def test_a_gap_is_refused_naming_the_version_expected(published, tmp_path):
     directory = copy_of(published, tmp_path)
