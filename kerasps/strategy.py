@@ -287,6 +287,7 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         tf_logs.keep_fault_detail()
         coordinator_lib.stop_every_coordinator()
         super().__init__(cluster_resolver, variable_partitioner=None)
+        _tf.follow_resolver(cluster_resolver)  # reconnections go where its tasks serve now
         if first_connection:
             _warn_of_deleted_variables(_keras.disown_variables_of_old_context())
         self._extended.__class__ = _Extended
@@ -322,6 +323,13 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         distributed._kerasps_input = input_lib.DistributedInput(
             creator=input_lib.DatasetCreator(dataset_fn, input_options=options))
         return distributed
+
+    @property
+    def cluster_resolver(self):
+        """The `tf.distribute.cluster_resolver.ClusterResolver` the strategy was made with;
+        kerasps asks it where a restarted task serves (`kerasps.ray.cluster`'s moves a task
+        restarted on another node)."""
+        return self._cluster_resolver
 
     @property
     def num_workers(self) -> int:

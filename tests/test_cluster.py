@@ -259,3 +259,50 @@ def test_model_fit_on_a_cluster_of_real_processes_wired_by_tf_config(tmp_path):
         for process in servers:
             process.kill()
             process.wait(timeout=30)
+
+
+def test_a_reconnection_waits_for_a_moved_task_and_goes_to_its_new_address(monkeypatch,
+                                                                            caplog):
+    # A Ray actor restarted on another node serves at a new address; the resolver says so
+    # some time after the task was lost. A reconnection waits for it and goes there.
+    import socket
+
+    import tensorflow as tf
+    from tensorflow.core.protobuf import tensorflow_server_pb2
+
+    from kerasps.backend import _tf
+
+    listeners = []
+    for _ in range(3):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listeners.append(listener)
+    chief, worker, moved = (f"127.0.0.1:{s.getsockname()[1]}" for s in listeners)
+    lost = f"127.0.0.1:{portpicker.pick_unused_port()}"  # nothing serves there
+    old = {"chief": [chief], "worker": [worker], "ps": [lost]}
+    server_def = tensorflow_server_pb2.ServerDef(
+        cluster=tf.train.ClusterSpec(old).as_cluster_def(), job_name="chief", task_index=0,
+        protocol="grpc")
+    asked = []
+
+    class Resolver:  # the task's new address is known from the third look on
+        def cluster_spec(self):
+            asked.append(1)
+            return tf.train.ClusterSpec(dict(old, ps=[moved]) if len(asked) >= 3 else old)
+
+    monkeypatch.setattr(_tf, "_followed_resolver", Resolver())
+    monkeypatch.setattr(_tf, "RECONNECT_POLL_S", 0.01)
+    try:
+        with caplog.at_level("WARNING", logger="kerasps"):
+            updated = _tf._where_tasks_serve(server_def)
+    finally:
+        for listener in listeners:
+            listener.close()
+    assert len(asked) == 3
+    assert tf.train.ClusterSpec(updated.cluster).as_dict() == dict(old, ps=[moved])
+    assert (updated.job_name, updated.task_index) == ("chief", 0)
+    assert tf.train.ClusterSpec(server_def.cluster).as_dict() == old  # not changed in place
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ps 0 serves at {moved} now (was {lost}): reconnecting there."]
+    assert _tf.moved_tasks(server_def, tf.train.ClusterSpec(old)) == {}

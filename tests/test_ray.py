@@ -155,6 +155,94 @@ DRIVER = TRAINING + """
     resolver.shutdown()
 """
 
+# The node holding the ps task lost mid-`fit` (the test removes it when the driver says
+# so): Ray places the ps task's bundle on the spare node, the task serves at a new address
+# there, and the same `fit` reconnects to it and restores its variables from the backup.
+NODE_LOSS = TRAINING + """
+    import pathlib, tempfile, time
+    import ray
+
+    ray.init(address=sys.argv[1])
+    removed = pathlib.Path(sys.argv[2])
+    resolver = kerasps.ray.cluster(num_workers=1, num_ps=1)
+    ps = resolver.tasks[1]
+    model = build(kerasps.ParameterServerStrategy(resolver))
+    done = []
+
+    def lose_node(batch, logs):
+        done.append(batch)
+        if len(done) == 7:
+            report("remove", ps.node_id)
+            deadline = time.monotonic() + 120
+            while not removed.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=2, steps_per_epoch=10,
+                        verbose=0, callbacks=[
+                            keras.callbacks.BackupAndRestore(tempfile.mkdtemp(), save_freq=5),
+                            keras.callbacks.LambdaCallback(on_train_batch_end=lose_node)])
+    moved = resolver.tasks[1]
+    report("node_lost", dict(
+        before=dict(address=ps.address, node=ps.node_id),
+        after=dict(address=moved.address, node=moved.node_id,
+                   spec=resolver.cluster_spec().as_dict()["ps"][0],
+                   actor_node=resolver.info("ps", 0)["node_id"]),
+        iterations=int(model.optimizer.iterations.numpy()),
+        reexecuted=sum(history.history.get("reexecuted_steps", [0])),
+        rolled_back=sum(history.history.get("rolled_back_steps", [0])),
+        loss=history.history["loss"]))
+    resolver.shutdown()
+"""
+
+# The node of worker 1 lost mid-`fit`, with no spare node: the pool goes on with worker 0;
+# once the test adds a node, Ray places the worker's bundle there, the worker serves at a
+# new address, and it rejoins the pool inside the same `fit`.
+WORKER_NODE_LOSS = TRAINING + """
+    import pathlib, time
+    import ray
+
+    ray.init(address=sys.argv[1])
+    control = pathlib.Path(sys.argv[2])
+    resolver = kerasps.ray.cluster(num_workers=2, num_ps=1)
+    worker = resolver.tasks[1]
+    strategy = kerasps.ParameterServerStrategy(resolver)
+    model = build(strategy)
+    done = []
+
+    def wait_for(name):
+        deadline = time.monotonic() + 120
+        while not (control / name).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def lose_node(batch, logs):
+        done.append(batch)
+        if len(done) == 5:
+            report("remove", worker.node_id)
+            wait_for("removed")
+
+    def add_node(epoch, logs):
+        if epoch == 1:  # after the second epoch, run on worker 0 alone: the node comes back
+            report("add", True)
+            wait_for("added")
+            deadline = time.monotonic() + 120
+            coordinator = kerasps.ClusterCoordinator(strategy)
+            while 1 not in coordinator.running_workers() and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+    history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=3, steps_per_epoch=10,
+                        verbose=0, callbacks=[keras.callbacks.LambdaCallback(
+                            on_train_batch_end=lose_node, on_epoch_end=add_node)])
+    moved = resolver.tasks[1]
+    report("worker_node_lost", dict(
+        before=dict(address=worker.address, node=worker.node_id),
+        after=dict(address=moved.address, node=moved.node_id),
+        workers=history.history["workers"],
+        iterations=int(model.optimizer.iterations.numpy()),
+        reexecuted=sum(history.history.get("reexecuted_steps", [0])),
+        loss=history.history["loss"]))
+    resolver.shutdown()
+"""
+
 # A program that never started Ray: `cluster` starts a local one, which stops with it.
 LOCAL_RAY = """
     import json
@@ -192,7 +280,7 @@ def _finish(process: subprocess.Popen) -> dict:
         process.kill()
         process.wait()
     process.output.seek(0)
-    output = process.output.read()
+    output = process.text = process.output.read()
     process.output.close()
     assert process.returncode == 0, output[-6000:]
     return _reports(output)
@@ -373,7 +461,7 @@ def ray_nodes():
         nodes = [cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1") for _ in range(2)]
         ray.init(address=cluster.address)
         yield types.SimpleNamespace(address=cluster.address, head=cluster.head_node.node_id,
-                                    nodes=[node.node_id for node in nodes])
+                                    nodes=[node.node_id for node in nodes], cluster=cluster)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -602,3 +690,73 @@ def test_ray_and_tensorflow_import_in_either_order():
         output, _ = process.communicate(timeout=300)
         assert process.returncode == 0, (name, output[-3000:])
         assert output.splitlines()[-1] == "['ray', 'tensorflow']", (name, output[-3000:])
+
+
+def _wait_for_report(process, key, deadline_s=TIMEOUT_S):
+    """Polls a running driver's output for its report `key` until `deadline_s`."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        process.output.seek(0)
+        found = _reports(process.output.read())
+        if key in found:
+            return found[key]
+        assert process.poll() is None, f"the driver ended without reporting {key!r}"
+        time.sleep(0.2)
+    raise AssertionError(f"the driver did not report {key!r} within {deadline_s} s")
+
+
+@pytest.mark.slow
+def test_a_node_holding_a_ps_task_lost_mid_fit_its_task_moves_and_fit_restores_it(
+        ray_nodes, tmp_path):
+    # A third node is the spare one Ray places the lost node's bundle on.
+    cluster = ray_nodes.cluster
+    spare = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    removed = tmp_path / "removed"
+    driver = _start(NODE_LOSS, ray_nodes.address, str(removed))
+    node_id = _wait_for_report(driver, "remove")
+    node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
+    cluster.remove_node(node)
+    removed.touch()
+    reports = _finish(driver)
+    lost = reports["node_lost"]
+    assert lost["before"]["node"] == node_id
+    # The ps task serves on another node, at another address, and the resolver says so.
+    assert lost["after"]["node"] == lost["after"]["actor_node"] != node_id
+    assert lost["after"]["address"] == lost["after"]["spec"] != lost["before"]["address"]
+    # The same fit went on from the backup: every requested step ran on the restored state.
+    assert lost["iterations"] == 20 + lost["reexecuted"]
+    assert 0 < lost["rolled_back"] <= 5
+    assert all(math.isfinite(loss) for loss in lost["loss"])
+    lines = driver.text.splitlines()
+    assert sum("Restored the backup" in line for line in lines) == 1, driver.text[-6000:]
+    assert any(f"ps 0 serves at {lost['after']['address']} now (was "
+               f"{lost['before']['address']})" in line for line in lines), driver.text[-6000:]
+    if spare in cluster.worker_nodes:
+        cluster.remove_node(spare)
+
+
+@pytest.mark.slow
+def test_a_workers_node_lost_then_a_node_added_the_pool_shrinks_and_grows_back_in_one_fit(
+        ray_nodes, tmp_path):
+    cluster = ray_nodes.cluster
+    while len(cluster.worker_nodes) < 3:  # one 1-CPU node per task, none to spare
+        cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    driver = _start(WORKER_NODE_LOSS, ray_nodes.address, str(tmp_path))
+    node_id = _wait_for_report(driver, "remove")
+    cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node_id))
+    (tmp_path / "removed").touch()
+    _wait_for_report(driver, "add")
+    cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    (tmp_path / "added").touch()
+    reports = _finish(driver)
+    lost = reports["worker_node_lost"]
+    assert lost["after"]["node"] != node_id
+    assert lost["after"]["address"] != lost["before"]["address"]
+    # Epoch 2 ran on worker 0 alone; worker 1 was back, at its new address, for epoch 3.
+    assert lost["workers"][1:] == [1, 2], lost
+    assert lost["iterations"] == 30 + lost["reexecuted"]
+    assert all(math.isfinite(loss) for loss in lost["loss"])
+    lines = driver.text.splitlines()
+    left = [i for i, line in enumerate(lines) if "worker 1 left" in line]
+    joined = [i for i, line in enumerate(lines) if "worker 1 joined" in line]
+    assert left and joined and left[0] < joined[-1], driver.text[-6000:]

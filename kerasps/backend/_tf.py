@@ -708,14 +708,7 @@ def task_alive(job: str, task: int) -> bool:
     races a reconnection.
     """
     address = task_address(job, task)
-    if address is None:
-        return False
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), TASK_PROBE_TIMEOUT):
-            return True
-    except (OSError, ValueError):  # refused, unreachable, unresolvable: not alive
-        return False
+    return address is not None and address_alive(address)
 
 
 def task_address(job: str, task: int) -> str | None:
@@ -879,6 +872,11 @@ def _no_removals_after_exit():
     atomic_function.AtomicFunction.__del__ = __del__
 
 
+def server_def():
+    """The server definition of this process's connection to a cluster, or `None`."""
+    return context.get_server_def()
+
+
 def connected() -> bool:
     """True once this process's eager context has connected to a cluster."""
     return context.get_server_def() is not None
@@ -890,11 +888,115 @@ def reconnect_cluster(tf_coordinator):
     A task that restarted on its address knows nothing of the coordinator's
     context; this is what TensorFlow's coordinator does after a worker comes
     back (`WorkerPreemptionHandler`), applied to a ps task, under the same lock
-    so that the two never update the context at once.
+    so that the two never update the context at once. A task the cluster's
+    resolver now puts at another address is reconnected there (`follow_resolver`).
     """
     handler = tf_coordinator._cluster.failure_handler
     with handler._cluster_update_lock:
         context.context().update_server_def(context.get_server_def())
+
+
+# The resolver of the cluster this process is connected to, asked where its tasks serve
+# now at each reconnection (`follow_resolver`), or None.
+_followed_resolver = None
+_following_installed = False
+# Seconds between two looks at the tasks a reconnection waits for.
+RECONNECT_POLL_S = 0.25
+_log = logging.getLogger("kerasps")
+
+
+def follow_resolver(cluster_resolver):
+    """Makes every reconnection of this process to its cluster go where
+    `cluster_resolver.cluster_spec()` says the tasks serve at that time (installed once;
+    each connection sets its resolver).
+
+    A reconnection (`update_server_def`: TensorFlow's failure handler's after a worker
+    failed, kerasps' after a ps task's, `reconnect_cluster`) first waits until every
+    task accepts connections, each at the address the resolver gives then (a Ray actor
+    restarted on another node serves at a new one, `kerasps.ray.cluster`), then connects
+    with those addresses: the eager context, and every task's view of the cluster, from
+    then on. TensorFlow's own update blocks in its first RPC until every task it knows
+    answers, at the address it knows, so a task that moved would hold it for good. A
+    resolver whose addresses never change (TF_CONFIG, in-process) changes nothing.
+    """
+    global _followed_resolver, _following_installed
+    _followed_resolver = cluster_resolver
+    if _following_installed:
+        return
+    _following_installed = True
+    update = context.Context.update_server_def
+
+    def update_server_def_where_tasks_serve(self, server_def, *args, **kwargs):
+        return update(self, _where_tasks_serve(server_def), *args, **kwargs)
+
+    context.Context.update_server_def = update_server_def_where_tasks_serve
+
+
+def _where_tasks_serve(server_def):
+    """`server_def` with its tasks where the followed resolver says they serve, once every
+    one (but this process's own) accepts connections there."""
+    logged = set()
+    while True:
+        resolver = _followed_resolver
+        try:
+            spec = None if resolver is None else resolver.cluster_spec()
+        except Exception:  # noqa: BLE001 - a resolver going away: the addresses known
+            spec = None
+        moves = moved_tasks(server_def, spec)
+        for (job, index), (old, new) in moves.items():
+            if (job, index, new) not in logged:
+                logged.add((job, index, new))
+                _log.warning("%s %d serves at %s now (was %s): reconnecting there.", job,
+                             index, new, old)
+        server_def = _moved(server_def, moves)
+        silent = [address for job in server_def.cluster.job for index, address in
+                  job.tasks.items() if (job.name, index) != (server_def.job_name,
+                                                             server_def.task_index)
+                  and not address_alive(address)]
+        if not silent:
+            return server_def
+        time.sleep(RECONNECT_POLL_S)
+
+
+def moved_tasks(server_def, cluster_spec) -> dict:
+    """`{(job, index): (old address, new address)}` of the tasks of `server_def`'s cluster
+    that `cluster_spec` (a `tf.train.ClusterSpec`) puts elsewhere."""
+    if server_def is None or cluster_spec is None:
+        return {}
+    now = cluster_spec.as_dict()
+    moves = {}
+    for job in server_def.cluster.job:
+        addresses = now.get(job.name, [])
+        if isinstance(addresses, dict):
+            addresses = [addresses[i] for i in sorted(addresses)]
+        for index, address in job.tasks.items():
+            if index < len(addresses) and addresses[index] != address:
+                moves[job.name, index] = (address, addresses[index])
+    return moves
+
+
+def _moved(server_def, moves: dict):
+    """`server_def` with the tasks of `moves` (`{(job, index): (old, new)}`) at their new
+    addresses (itself when there are none)."""
+    if not moves:
+        return server_def
+    updated = type(server_def)()
+    updated.CopyFrom(server_def)
+    for job in updated.cluster.job:
+        for index in job.tasks:
+            if (job.name, index) in moves:
+                job.tasks[index] = moves[job.name, index][1]
+    return updated
+
+
+def address_alive(address: str) -> bool:
+    """True if `host:port` accepts connections (see `task_alive`)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), TASK_PROBE_TIMEOUT):
+            return True
+    except (OSError, ValueError):  # refused, unreachable, unresolvable: not alive
+        return False
 
 
 def resource_variable(variable):

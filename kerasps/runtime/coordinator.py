@@ -164,12 +164,18 @@ class ClusterCoordinator:
         self._tf_coordinator.join()
 
     def running_workers(self) -> list[int]:
-        """The indices of the declared workers that answer now (one gRPC check each).
+        """The indices of the declared workers that answer now (one connection each, at
+        the address the strategy's cluster resolver gives).
 
         In an elastic pool (`kerasps launch --workers MIN:MAX`) the others have
         left or not joined yet; TensorFlow runs functions on the ones that answer.
+        A worker restarted at another address (a Ray actor on another node) is
+        looked for there (TensorFlow's reconnection goes there too:
+        `kerasps.backend._tf.follow_resolver`).
         """
-        return [i for i in range(self.num_workers) if _tf.task_alive("worker", i)]
+        spec = self._strategy.cluster_resolver.cluster_spec()
+        return [i for i in range(self.num_workers)
+                if _tf.address_alive(spec.task_address("worker", i))]
 
     def silent_workers(self) -> str:
         """The declared workers that do not answer now, as device names for a message

@@ -17,9 +17,13 @@ A task's actor is created with `max_restarts`: when its process dies (a SIGKILL,
 memory kill), Ray starts it again with the same arguments in the same bundle, so on the same
 node and port, and the coordinator finds it again on its address, as it finds a task that
 `kerasps launch` restarted: a worker rejoins the running `fit`; a ps task comes back
-empty and `fit` restores it from its `keras.callbacks.BackupAndRestore`. Once a task's
-restarts are spent, Ray reports its actor dead; the resolver's watcher then ends the job as
-`kerasps launch` does, with a `kerasps.launch.TaskFailedError` in the driver's main thread.
+empty and `fit` restores it from its `keras.callbacks.BackupAndRestore`. When its node is
+lost, Ray places the bundle on another node and restarts the actor there, on a free port of
+that node: the resolver's watcher asks it where it serves, `cluster_spec()` says so from
+then on, and every reconnection of the driver goes there
+(`kerasps.backend._tf.follow_resolver`). Once a task's restarts are spent, Ray reports its
+actor dead; the resolver's watcher then ends the job as `kerasps launch` does, with a
+`kerasps.launch.TaskFailedError` in the driver's main thread.
 
 Ray is imported only by `cluster` (`import kerasps` does not import it); without Ray,
 `cluster` raises an `ImportError` naming the `kerasps[ray]` extra.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import numbers
 import os
 import sys
@@ -52,6 +57,8 @@ _INSTALL = 'pip install "kerasps[ray]"'
 _POLL_S = 0.05  # between two looks at a placement group or an actor being removed
 WATCH_INTERVAL_S = 0.5  # between two looks at the tasks' actors, for one dead for good
 
+_log = logging.getLogger("kerasps")
+
 
 @dataclasses.dataclass(frozen=True)
 class RayTask:
@@ -60,7 +67,8 @@ class RayTask:
     Attributes:
         task_type: `"worker"` or `"ps"`.
         index: its index among the tasks of its type.
-        address: `host:port` of its `tf.distribute.Server`, kept across restarts.
+        address: `host:port` of its `tf.distribute.Server`: kept across restarts on its
+            node, a new one after a restart on another node.
         node_id: the Ray node it runs on (hex).
         bundle_index: its bundle in the cluster's placement group.
     """
@@ -180,14 +188,17 @@ class RayClusterResolver(tf.distribute.cluster_resolver.SimpleClusterResolver):
     `chief`, each worker and ps task an actor. Shut it down with `shutdown()`, or use it as
     a context manager; the process's exit shuts it down too.
 
-    A thread watches the tasks' actors: when Ray reports one dead for good (its
-    `max_restarts` spent), `kerasps.launch.TaskFailedError` naming the task, its node and
-    the restarts used is raised in the main thread (the running `fit` ends with it), as
+    A thread watches the tasks' actors. When Ray restarted one on another node (its node
+    was lost), the task serves at a new address there: `cluster_spec()` and `tasks` give
+    the new one from then on, and kerasps reconnects to it (a ps task is restored from
+    the backup inside `fit`; a worker rejoins the pool). When Ray reports one dead for good
+    (its `max_restarts` spent), `kerasps.launch.TaskFailedError` naming the task, its node
+    and the restarts used is raised in the main thread (the running `fit` ends with it), as
     when a task's restart budget is spent under `kerasps launch`; a program whose main
     thread cannot take a signal handler gets the reason on stderr and in `failure`.
 
     Attributes:
-        tasks: a `RayTask` per worker and ps task, workers first.
+        tasks: a `RayTask` per worker and ps task, workers first, where each serves now.
         placement_group: the Ray placement group holding the tasks.
         max_restarts: the restarts Ray allows each task's actor (`-1`: no limit).
         failure: why the job failed (a task's actor dead for good), or `None`.
@@ -197,6 +208,7 @@ class RayClusterResolver(tf.distribute.cluster_resolver.SimpleClusterResolver):
                  uses_started_ray=False, max_restarts=3):
         super().__init__(cluster_spec, task_type="chief", task_id=0, rpc_layer="grpc")
         self.tasks = tuple(tasks)
+        self._spec = cluster_spec.as_dict()
         self.placement_group = placement_group
         self.max_restarts = max_restarts
         self.failure = None
@@ -214,25 +226,60 @@ class RayClusterResolver(tf.distribute.cluster_resolver.SimpleClusterResolver):
                                          daemon=True)
         self._watcher.start()
 
+    def cluster_spec(self) -> tf.train.ClusterSpec:
+        """The cluster, each task at the address it serves at now."""
+        with self._lock:
+            return tf.train.ClusterSpec(self._spec)
+
     def _watch(self):
-        """Looks at the tasks' actors every `WATCH_INTERVAL_S` until `shutdown`: the first
-        one Ray reports dead for good (its `max_restarts` spent) ends the job, as a task
-        whose restart budget is spent ends a `kerasps launch` job (`_fail`)."""
+        """Looks at the tasks' actors every `WATCH_INTERVAL_S` until `shutdown`: a task Ray
+        restarted is asked where it serves (`_follow`); the first one Ray reports dead for
+        good (its `max_restarts` spent) ends the job, as a task whose restart budget is
+        spent ends a `kerasps launch` job (`_fail`)."""
         import ray
 
-        by_id = {self._actors[task.task_type, task.index]._actor_id.hex(): task
-                 for task in self.tasks}
+        keys = {self._actors[task.task_type, task.index]._actor_id.hex():
+                (task.task_type, task.index) for task in self.tasks}
+        restarts = dict.fromkeys(keys, 0)
         while not self._watching.wait(WATCH_INTERVAL_S):
-            for actor_id, task in by_id.items():
+            for actor_id, key in keys.items():
                 if self._closed or not ray.is_initialized():
                     return
                 try:
                     info = ray._private.state.actors(actor_id=actor_id)
                 except Exception:  # noqa: BLE001 - Ray going away; looked at again
                     continue
-                if info and info.get("State") == "DEAD" and not self._closed:
-                    self._fail(_death(task, info, self.max_restarts))
+                if not info:
+                    continue
+                if info.get("State") == "DEAD" and not self._closed:
+                    self._fail(_death(self._task(*key), info, self.max_restarts))
                     return
+                if info.get("State") == "ALIVE" and info.get("NumRestarts", 0) > restarts[
+                        actor_id] and self._follow(ray, key):
+                    restarts[actor_id] = info.get("NumRestarts", 0)
+
+    def _task(self, task_type: str, index: int) -> RayTask:
+        return next(t for t in self.tasks if (t.task_type, t.index) == (task_type, index))
+
+    def _follow(self, ray, key) -> bool:
+        """Asks a restarted task's actor where it serves; a task on another node serves at
+        a new address, which `cluster_spec()` and `tasks` give from then on. Returns whether
+        the actor answered."""
+        try:
+            info = ray.get(self._actors[key].info.remote(), timeout=WATCH_INTERVAL_S * 10)
+        except Exception:  # noqa: BLE001 - restarting again, or Ray going away
+            return False
+        task = self._task(*key)
+        if info["address"] != task.address:
+            with self._lock:
+                self._spec[task.task_type][task.index] = info["address"]
+                self.tasks = tuple(
+                    dataclasses.replace(t, address=info["address"], node_id=info["node_id"])
+                    if t is task else t for t in self.tasks)
+            _log.warning("%s restarted on another Ray node (%s): it serves at %s now (was %s "
+                         "on node %s).", task.name, info["node_id"][:8], info["address"],
+                         task.address, task.node_id[:8])
+        return True
 
     def _fail(self, reason: str):
         """Ends the running `fit` (or whatever the main thread does) with
@@ -461,7 +508,8 @@ def cluster(num_workers: int = 2, num_ps: int = 1, *, worker_resources: dict | N
                 **_actor_options(resources), max_restarts=max_restarts, max_task_retries=0,
                 scheduling_strategy=in_bundle(i),
                 name=None).remote(spec, kind, index, resources.get("CPU", 0),
-                                  hide_gpus=not resources.get("GPU", 0), announce=announce)
+                                  hide_gpus=not resources.get("GPU", 0), announce=announce,
+                                  node_id=places[i]["node_id"])
         _wait_started(ray, actors, start_timeout_s)
     except BaseException:
         _remove(ray, list(actors.values()), None if own_group else group, 30.0)

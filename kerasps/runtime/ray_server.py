@@ -3,9 +3,11 @@
 Each worker and ps task of a Ray cluster is one Ray actor, in a process of its own, whose
 constructor starts the task's server on the address the driver chose for it (`pick_address`
 ran in the same placement-group bundle, so on the same node). Ray runs the constructor again,
-with the same arguments, when it restarts the actor after its process died: the task comes
-back on its address, where the coordinator finds it again, as a task that `kerasps launch`
-restarted.
+with the same arguments, when it restarts the actor after its process died: on the same
+node, the task comes back on its address, where the coordinator finds it again, as a task
+that `kerasps launch` restarted. On another node (its node was lost, and Ray placed its
+bundle again elsewhere), it serves on a free port of that node: a new address, which the
+driver asks for (`TaskServer.address`) and reconnects to.
 
 Importing this module imports neither Ray nor TensorFlow: an actor hides the GPUs from
 TensorFlow (a ps task) before TensorFlow is imported in its process.
@@ -25,6 +27,19 @@ def pick_address() -> dict:
 
     return {"ip": ray.util.get_node_ip_address(), "port": portpicker.pick_unused_port(),
             "node_id": ray.get_runtime_context().get_node_id()}
+
+
+def _served_here(cluster: dict, task_type: str, index: int, node_id: str) -> dict:
+    """`cluster` with the task at a free port of this node when Ray restarted it on a node
+    other than `node_id` (the one its address was picked on); else `cluster`."""
+    import ray
+
+    if ray.get_runtime_context().get_node_id() == node_id:
+        return cluster
+    here = pick_address()
+    moved = {kind: list(addresses) for kind, addresses in cluster.items()}
+    moved[task_type][index] = f"{here['ip']}:{here['port']}"
+    return moved
 
 
 def threads_for(cpus: float, num_workers: int) -> tuple[int, int]:
@@ -64,14 +79,19 @@ class TaskServer:
             Ray leaves the variable alone for an actor given no GPU).
         announce: print where the task serves once its server started, as `kerasps serve`
             does.
+        node_id: the Ray node the driver picked its address on; restarted on another node,
+            the task serves at a new address there (`None`: always at its address).
 
     Its `repr` is the task's name (`worker 0`): Ray prefixes the lines it forwards from the
     actor to the driver with it (`(worker 0 pid=4242) ...`).
     """
 
     def __init__(self, cluster: dict, task_type: str, index: int, cpus: float,
-                 hide_gpus: bool, announce: bool = False):
+                 hide_gpus: bool, announce: bool = False, node_id: str | None = None):
         self.task_type, self.index = task_type, index
+        if node_id is not None:
+            cluster = _served_here(cluster, task_type, index, node_id)
+        self.address = cluster[task_type][index]
         _name_output(repr(self))
         if hide_gpus:
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -92,16 +112,17 @@ class TaskServer:
                                            start=True)
         self.gpus = len(tf.config.list_physical_devices("GPU"))
         if announce:
-            print(f"kerasps serve: {task_type} {index} serving at {cluster[task_type][index]}",
-                  flush=True)
+            print(f"kerasps serve: {task_type} {index} serving at {self.address}", flush=True)
 
     def __repr__(self):
         return f"{self.task_type} {self.index}"
 
     def info(self) -> dict:
-        """The task's process id, node id, GPUs seen by TensorFlow and thread counts."""
+        """The task's process id, node id, address, GPUs seen by TensorFlow and thread
+        counts."""
         import ray
 
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "address": self.address,
                 "gpus": self.gpus, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                 "intra_op_threads": self.threads[0], "inter_op_threads": self.threads[1]}
