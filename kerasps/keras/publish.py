@@ -61,8 +61,8 @@ class _FixedTable:
         self.offsets = variable.shard_offsets
         self.track()
 
-    def track(self):
-        self.changes = [changes_lib.track(shard) for shard in self.shards]
+    def track(self, renew=False):
+        self.changes = [changes_lib.track(shard, renew) for shard in self.shards]
 
     def tracked(self) -> bool:
         return all(changes_lib.changes_of(s) is c for s, c in zip(self.shards, self.changes))
@@ -96,8 +96,8 @@ class _DynamicTable:
                           for s in self.table.shards]
         self.track()
 
-    def track(self):
-        self.changes = [changes_lib.track(shard.variables["rows"])
+    def track(self, renew=False):
+        self.changes = [changes_lib.track(shard.variables["rows"], renew)
                         for shard in self.table.shards]
         self.table._functions.clear()  # eager lookups' functions trace the flags in
 
@@ -323,7 +323,7 @@ class PublishDeltas(keras.callbacks.Callback):
                          "this version is a full one.", type(error).__name__,
                          str(error).splitlines()[0] if str(error) else "")
             for table in self._tables:
-                table.track()
+                table.track(renew=True)
             forget_step_functions(self._model)
             folder = self._write(True)
         self._time_at_publish = time.monotonic()

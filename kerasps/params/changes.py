@@ -102,11 +102,12 @@ class RowChanges:
         return int(tf.reduce_sum(tf.cast(self.flags.read_value(), tf.int64)).numpy())
 
 
-def track(variable) -> RowChanges:
-    """The `RowChanges` of `variable` (a Keras or `tf.Variable`), made if it has none."""
+def track(variable, renew=False) -> RowChanges:
+    """The `RowChanges` of `variable` (a Keras or `tf.Variable`), made if it has none, or
+    made again if `renew` (its flags were lost with their ps task)."""
     tf_variable = _keras.tf_variable(variable)
     changes = getattr(tf_variable, _ATTRIBUTE, None)
-    if changes is None:
+    if changes is None or renew:
         changes = RowChanges(tf_variable)
         setattr(tf_variable, _ATTRIBUTE, changes)
     return changes
