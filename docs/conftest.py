@@ -16,6 +16,9 @@ import pytest  # noqa: E402
 
 MARKER = "markdown-docs"  # the plugin marks every item it collects
 TIMEOUT_S = 300  # a block takes seconds; pytest-timeout ends a hung one with its stacks
+# Pages whose blocks start processes of their own (a local Ray and its actors: over a
+# minute on 2 cores) are `slow`, as the tests of real-process clusters are.
+SLOW_PAGES = ("ray.md",)
 
 
 def _is_block(item):
@@ -24,8 +27,11 @@ def _is_block(item):
 
 def pytest_collection_modifyitems(items):
     """A hung block ends the run after `TIMEOUT_S`, as a hung test does (tests/conftest.py
-    gives every item a limit, when a run loads it: `pytest docs` alone does not)."""
+    gives every item a limit, when a run loads it: `pytest docs` alone does not); the
+    blocks of `SLOW_PAGES` are `slow`."""
     for item in items:
+        if _is_block(item) and item.path.name in SLOW_PAGES:
+            item.add_marker(pytest.mark.slow)
         if _is_block(item) and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(TIMEOUT_S))
 

@@ -282,6 +282,7 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         _tf.install_context_bound_resource_deleters()
         _tf.restart_input_of_retried_functions()
         _tf.install_function_removals_per_connection()
+        _tf.let_ps_tasks_see_each_other()  # a ps task that moved is reachable by the others
         _tf.report_worker_failures()
         _tf.keep_executor_tracebacks_in_detail()
         tf_logs.keep_fault_detail()

@@ -46,6 +46,7 @@ BENCHMARKS = [
     benchmark("faults", r"\| ps_killed \| kerasps \| 1/1 \|"),
     benchmark("chaos", r"\| all \| 1/1 \|"),
     benchmark("network", r"largest error, other rows"),
+    benchmark("on_ray", r"\| ray \| 1/1 \|"),
     benchmark("online", r"steps/s publishing / none: \d"),
     benchmark("soak", r".", pytest.mark.skipif(not (ROOT / "benchmarks/soak.py").exists(),
                                              reason="benchmarks/soak.py is not there yet")),

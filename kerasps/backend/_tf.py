@@ -932,6 +932,36 @@ def follow_resolver(cluster_resolver):
     context.Context.update_server_def = update_server_def_where_tasks_serve
 
 
+_ps_see_ps_installed = False
+
+
+def let_ps_tasks_see_each_other():
+    """Makes TensorFlow's strategy connect with device filters that show each ps task the
+    other ps tasks too (installed once; TensorFlow's show it the workers and the chief).
+
+    A ps task whose filtered view of the cluster does not change gets no update of it
+    when the coordinator reconnects (`update_server_def`), and reaches another ps task
+    (ops of one step span ps tasks: a sharded table's optimizer) through the addresses of
+    its server's start. A ps task restarted at another address (`follow_resolver`) was then
+    unreachable from the others for good; with each ps task in the others' view, every
+    reconnection gives them its new address.
+    """
+    global _ps_see_ps_installed
+    if _ps_see_ps_installed:
+        return
+    _ps_see_ps_installed = True
+    from tensorflow.python.training import server_lib
+
+    set_filters = server_lib.ClusterDeviceFilters.set_device_filters
+
+    def set_device_filters_ps_seeing_ps(self, job_name, task_index, device_filters):
+        if job_name == "ps" and "/job:ps" not in device_filters:
+            device_filters = [*device_filters, "/job:ps"]
+        return set_filters(self, job_name, task_index, device_filters)
+
+    server_lib.ClusterDeviceFilters.set_device_filters = set_device_filters_ps_seeing_ps
+
+
 def _where_tasks_serve(server_def):
     """`server_def` with its tasks where the followed resolver says they serve, once every
     one (but this process's own) accepts connections there."""
