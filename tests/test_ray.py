@@ -57,6 +57,24 @@ TRAINING = """
         report("loss", history.history["loss"])
         report("weights", [w.tolist() for w in model.get_weights()])
         return model
+
+    def wait_for(path):  # a file the test makes once it did what the driver asked
+        import time
+        deadline = time.monotonic() + 120
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def fit_with_backup(model, on_batch):
+        # 2 x 10 steps, a backup every 5: what a fault inside this fit may roll back.
+        import tempfile
+        history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=2, steps_per_epoch=10,
+                            verbose=0, callbacks=[
+                                keras.callbacks.BackupAndRestore(tempfile.mkdtemp(), save_freq=5),
+                                keras.callbacks.LambdaCallback(on_train_batch_end=on_batch)])
+        return dict(iterations=int(model.optimizer.iterations.numpy()),
+                    reexecuted=sum(history.history.get("reexecuted_steps", [0])),
+                    rolled_back=sum(history.history.get("rolled_back_steps", [0])),
+                    loss=history.history["loss"])
 """
 
 IN_PROCESS = TRAINING + """
@@ -110,16 +128,8 @@ DRIVER = TRAINING + """
         if len(done) == 7:
             os.kill(ps_pid, signal.SIGKILL)
 
-    history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=2, steps_per_epoch=10,
-                        verbose=0, callbacks=[
-                            keras.callbacks.BackupAndRestore(tempfile.mkdtemp(), save_freq=5),
-                            keras.callbacks.LambdaCallback(on_train_batch_end=kill_ps)])
-    report("ps_killed", dict(
-        pid=ps_pid, pid_after=resolver.pid("ps", 0),
-        iterations=int(model.optimizer.iterations.numpy()),
-        reexecuted=sum(history.history.get("reexecuted_steps", [0])),
-        rolled_back=sum(history.history.get("rolled_back_steps", [0])),
-        loss=history.history["loss"]))
+    fitted = fit_with_backup(model, kill_ps)
+    report("ps_killed", dict(pid=ps_pid, pid_after=resolver.pid("ps", 0), **fitted))
 
     pids = [resolver.pid(t.task_type, t.index) for t in resolver.tasks]
     group = resolver.placement_group.id.hex()
@@ -159,7 +169,7 @@ DRIVER = TRAINING + """
 # so): Ray places the ps task's bundle on the spare node, the task serves at a new address
 # there, and the same `fit` reconnects to it and restores its variables from the backup.
 NODE_LOSS = TRAINING + """
-    import pathlib, tempfile, time
+    import pathlib
     import ray
 
     ray.init(address=sys.argv[1])
@@ -173,24 +183,15 @@ NODE_LOSS = TRAINING + """
         done.append(batch)
         if len(done) == 7:
             report("remove", ps.node_id)
-            deadline = time.monotonic() + 120
-            while not removed.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(removed)
 
-    history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=2, steps_per_epoch=10,
-                        verbose=0, callbacks=[
-                            keras.callbacks.BackupAndRestore(tempfile.mkdtemp(), save_freq=5),
-                            keras.callbacks.LambdaCallback(on_train_batch_end=lose_node)])
+    fitted = fit_with_backup(model, lose_node)
     moved = resolver.tasks[1]
     report("node_lost", dict(
         before=dict(address=ps.address, node=ps.node_id),
         after=dict(address=moved.address, node=moved.node_id,
                    spec=resolver.cluster_spec().as_dict()["ps"][0],
-                   actor_node=resolver.info("ps", 0)["node_id"]),
-        iterations=int(model.optimizer.iterations.numpy()),
-        reexecuted=sum(history.history.get("reexecuted_steps", [0])),
-        rolled_back=sum(history.history.get("rolled_back_steps", [0])),
-        loss=history.history["loss"]))
+                   actor_node=resolver.info("ps", 0)["node_id"]), **fitted))
     resolver.shutdown()
 """
 
@@ -208,11 +209,6 @@ WORKER_NODE_LOSS = TRAINING + """
     strategy = kerasps.ParameterServerStrategy(resolver)
     model = build(strategy)
     done = []
-
-    def wait_for(name):
-        deadline = time.monotonic() + 120
-        while not (control / name).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
 
     class Pool(logging.Handler):  # the pool's changes, as kerasps logs them
         def __init__(self):
@@ -235,13 +231,13 @@ WORKER_NODE_LOSS = TRAINING + """
         done.append(batch)
         if len(done) == 5:
             report("remove", worker.node_id)
-            wait_for("removed")
+            wait_for(control / "removed")
             pool.wait_for("worker 1 left")  # epoch 1 ends with worker 0 alone
 
     def add_node(epoch, logs):
         if epoch == 2:  # epoch 2 ran on worker 0 alone: the node comes back for epoch 3
             report("add", True)
-            wait_for("added")
+            wait_for(control / "added")
             pool.wait_for("worker 1 joined")
 
     history = model.fit(kerasps.DatasetCreator(dataset_fn), epochs=3, steps_per_epoch=10,
