@@ -339,3 +339,39 @@ def test_a_consumer_process_killed_mid_apply_leaves_the_versions_whole(published
     consumer = kerasps.DeltaConsumer(directory)
     assert consumer.update() == list(range(1, 52))
     assert_same(published["final"], consumer_state(consumer), "final")
+
+
+def test_a_restored_backup_makes_the_next_version_full(make_strategy, tmp_path):
+    # kerasps' ps recovery puts every variable back to the backup, on the tasks that
+    # survived too: rows the consumer received since are newer than the trainer's, and
+    # no flag says which. (The same with a ps task SIGKILLed mid-publish under `kerasps
+    # launch`: tests/test_online_faults.py.)
+    from kerasps.keras.trainer import recovery
+    from kerasps.policy.failures import Progress
+
+    strategy = make_strategy(variable_partitioner=kerasps.partitioners.FixedShardsPartitioner(2))
+    model = build(strategy)
+    publisher = kerasps.callbacks.PublishDeltas(tmp_path / "d", model=model)
+    consumer = kerasps.DeltaConsumer(tmp_path / "d")
+    callback = keras.callbacks.BackupAndRestore(tmp_path / "backup")
+    callback.set_model(model)
+    backup = recovery.Backup(callback)
+    y = np.ones([8, 1], "float32")
+    model.train_on_batch(BATCH[:8], y)
+    publisher.publish()
+    with backup.recording(lambda: Progress(0, 1)):
+        backup.save()
+    for start in (8, 16):  # rows the backup does not hold
+        model.train_on_batch(BATCH[start:start + 8], y)
+        publisher.publish()
+    assert consumer.update() == [1, 2, 3]
+    assert recovery.restore_lost_state(model, backup, []) == Progress(0, 1)
+    model.train_on_batch(BATCH[:8], y)
+    assert deltas.read_manifest(publisher.publish())["kind"] == "full"
+    assert publisher.published == [(1, "full"), (2, "delta"), (3, "delta"), (4, "full")]
+    assert consumer.update() == [4]
+    assert_same(trainer_state(model), consumer_state(consumer), "after the restore")
+    model.train_on_batch(BATCH[8:16], y)
+    assert deltas.read_manifest(publisher.publish())["kind"] == "delta"
+    consumer.update()
+    assert_same(trainer_state(model), consumer_state(consumer), "a delta after it")

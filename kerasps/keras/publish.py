@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerasps.keras.layers.dynamic_embedding import DynamicEmbedding
+from kerasps.keras.trainer import recovery
 from kerasps.keras.trainer.steps import forget_step_functions
 from kerasps.params import changes as changes_lib
 from kerasps.params import variables as variables_lib
@@ -244,6 +245,7 @@ class PublishDeltas(keras.callbacks.Callback):
                 tables.append(table)
                 covered.add(id(layer.embeddings))
         self._tables = tables
+        self._restores = recovery.restores(model)
         logical = variables_lib.logical_variables(model.weights)
         # Where each one is among the model's weights: a consumer's model built from the
         # same config has them in the same order (its paths may differ: name scopes).
@@ -310,8 +312,14 @@ class PublishDeltas(keras.callbacks.Callback):
             for table in self._tables:
                 table.track()
             forget_step_functions(self._model)
+        restored = recovery.restores(self._model) != self._restores
+        if restored:
+            # The ps state went back to a backup: rows a consumer received since are
+            # newer than the trainer's, and no flag says which.
+            _LOG.warning("PublishDeltas: the ps tasks' state was restored from a backup; "
+                         "this version is a full one.")
         if full is None:
-            full = (self._full_next or bool(lost) or (
+            full = (self._full_next or bool(lost) or restored or (
                 self.full_every is not None and self._since_full + 1 >= self.full_every))
         try:
             folder = self._write(bool(full))
@@ -375,6 +383,8 @@ class PublishDeltas(keras.callbacks.Callback):
         self.version = version
         self.published.append((version, kind))
         self._full_next = False
+        if full:
+            self._restores = recovery.restores(self._model)
         self._since_full = 0 if full else self._since_full + 1
         _LOG.info("PublishDeltas: version %d (%s) in %.2f s: %s", version, kind,
                   time.monotonic() - started,

@@ -46,6 +46,7 @@ import tensorflow as tf
 
 from kerasps.backend import _keras, _tf, tf_logs
 from kerasps.keras.trainer.steps import forget_step_functions
+from kerasps.params import changes as changes_lib
 from kerasps.policy import failures
 from kerasps.policy.failures import Progress, PsTaskFailedError, Recovery
 
@@ -54,6 +55,7 @@ from kerasps.policy.failures import Progress, PsTaskFailedError, Recovery
 PS_RECOVERY_TIMEOUT = 600.0
 PS_POLL_INTERVAL = 0.1
 _PROGRESS = "kerasps_progress"
+_RESTORES = "_kerasps_restores"
 
 _log = logging.getLogger("kerasps")
 
@@ -261,6 +263,8 @@ def restore_lost_state(model, backup: Backup, ps_tasks) -> Progress:
     renewed = [v for v in _state_variables(model) if _ps_task(v) in ps_tasks]
     for variable in renewed:
         _tf.renew_variable(variable)
+        if changes_lib.changes_of(variable) is not None:  # its changed-row flags, lost too
+            changes_lib.track(variable, renew=True)
     for layer in model._flatten_layers():
         # Other resources on those tasks (a dynamic table's maps and locks).
         renew = getattr(layer, "_kerasps_renew_resources", None)
@@ -277,4 +281,12 @@ def restore_lost_state(model, backup: Backup, ps_tasks) -> Progress:
         _log.warning("Not in the backup, set to zeros: %s",
                         ", ".join(v.path for v in others))
     forget_step_functions(model)
+    # Every variable is the backup's now, on the surviving tasks too: what was published
+    # since is newer (`kerasps.callbacks.PublishDeltas` publishes a full version next).
+    object.__setattr__(model, _RESTORES, restores(model) + 1)
     return progress
+
+
+def restores(model) -> int:
+    """How many times a backup was restored into `model` after a lost ps task."""
+    return getattr(model, _RESTORES, 0)
