@@ -9,6 +9,7 @@ every version.
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import textwrap
@@ -27,12 +28,13 @@ FIXED, DYNAMIC = "fixed/embeddings", "dynamic/rows"
 BATCH = np.stack([np.arange(24) % 64, np.arange(24) * 7 % 200], axis=1).astype("int64")
 
 
-def build(strategy, optimizer="adagrad"):
+def build(strategy, optimizer="adagrad", num_partitions=2):
     with strategy.scope():
         ids = keras.Input((2,), dtype="int64")
         fixed = keras.layers.Embedding(64, 4, name="fixed")(ids[:, :1])
-        dynamic = kerasps.layers.DynamicEmbedding(4, capacity=32, num_partitions=2, seed=1,
-                                                  name="dynamic")(ids[:, 1:])
+        dynamic = kerasps.layers.DynamicEmbedding(
+            4, capacity=32 if num_partitions == 2 else 48, num_partitions=num_partitions,
+            seed=1, name="dynamic")(ids[:, 1:])
         x = keras.layers.Flatten()(keras.layers.Concatenate()([fixed, dynamic]))
         model = keras.Model(ids, keras.layers.Dense(1, name="head")(x))
         model.compile(optimizer, "mse")
@@ -375,3 +377,67 @@ def test_a_restored_backup_makes_the_next_version_full(make_strategy, tmp_path):
     assert deltas.read_manifest(publisher.publish())["kind"] == "delta"
     consumer.update()
     assert_same(trainer_state(model), consumer_state(consumer), "a delta after it")
+
+
+# Runs in a process of its own: in-process clusters of 1 and 3 ps tasks (the session's
+# has 2), the table in 3 shards (64 rows: 22, 21, 21; 32 and 32 on the session's). A
+# trainer restored from argv[1]'s checkpoint onto 1 ps task publishes to
+# argv[2] (a new publisher on the directory: a full version, then deltas), saves its
+# checkpoint; one restored from that onto 3 ps tasks does the same. The trainer's state
+# at each version goes to argv[1]/states.pkl.
+OTHER_SHAPES = """
+import pickle, sys
+import numpy as np, kerasps
+sys.path.insert(0, sys.argv[3])
+from tests.test_online import BATCH, build, trainer_state
+
+checkpoint, directory, states = sys.argv[1] + "/2.weights.h5", sys.argv[2], {}
+y = np.ones([8, 1], "float32")
+for num_ps in (1, 3):
+    strategy = kerasps.ParameterServerStrategy(
+        kerasps.cluster.in_process(num_workers=1, num_ps=num_ps),
+        variable_partitioner=kerasps.partitioners.FixedShardsPartitioner(3))
+    model = build(strategy, num_partitions=6)
+    model.load_weights(checkpoint)
+    publisher = kerasps.callbacks.PublishDeltas(directory, model=model)
+    publisher.publish()
+    states[publisher.version] = (num_ps, trainer_state(model))
+    for start in (0, 8, 16):
+        model.train_on_batch(BATCH[start:start + 8], y)
+        publisher.publish()
+        states[publisher.version] = (num_ps, trainer_state(model))
+    checkpoint = f"{sys.argv[1]}/{num_ps}.weights.h5"
+    model.save_weights(checkpoint)
+    print(num_ps, "ps:", model.get_layer("fixed").embeddings.num_shards, "shards", flush=True)
+pickle.dump(states, open(sys.argv[1] + "/states.pkl", "wb"))
+"""
+
+
+def test_a_consumer_goes_on_with_trainers_restored_onto_1_and_3_ps_tasks(strategy, tmp_path):
+    # Ids are global (a shard's offset + its row; a dynamic table's keys), so versions of
+    # trainers with other numbers of ps tasks apply to one copy of the tables.
+    model = build(strategy, num_partitions=6)
+    directory = tmp_path / "deltas"
+    publisher = kerasps.callbacks.PublishDeltas(directory, model=model)
+    consumer = kerasps.DeltaConsumer(directory)
+    publisher.publish()
+    y = np.ones([8, 1], "float32")
+    for start in (8, 16):
+        model.train_on_batch(BATCH[start:start + 8], y)
+        publisher.publish()
+    assert consumer.update() == [1, 2, 3]
+    assert_same(trainer_state(model), consumer_state(consumer), "2 ps tasks")
+    model.save_weights(tmp_path / "2.weights.h5")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = run_with_deadline(OTHER_SHAPES, str(tmp_path), str(directory), root,
+                             deadline=240, cwd=root, what="trainers on 1 and 3 ps tasks")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "1 ps: 3 shards" in done.stdout and "3 ps: 3 shards" in done.stdout, done.stdout
+    states = pickle.load(open(tmp_path / "states.pkl", "rb"))
+    assert sorted(states) == list(range(4, 12))
+    for version in range(4, 12):
+        assert consumer.apply(folder(directory, version))
+        num_ps, state = states[version]
+        kind = deltas.read_manifest(folder(directory, version))["kind"]
+        assert kind == ("full" if version in (4, 8) else "delta"), version
+        assert_same(state, consumer_state(consumer), f"v{version} ({num_ps} ps, {kind})")
