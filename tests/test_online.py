@@ -441,3 +441,48 @@ def test_a_consumer_goes_on_with_trainers_restored_onto_1_and_3_ps_tasks(strateg
         kind = deltas.read_manifest(folder(directory, version))["kind"]
         assert kind == ("full" if version in (4, 8) else "delta"), version
         assert_same(state, consumer_state(consumer), f"v{version} ({num_ps} ps, {kind})")
+
+
+def dynamic_items(layer):
+    """A `DynamicEmbedding`'s (keys, rows), sorted by key."""
+    state, rows = layer.state.numpy(), layer.rows.numpy()
+    occupied = state[:, 1] >= 0
+    order = np.argsort(state[occupied, 0], kind="stable")
+    return state[occupied, 0][order], rows[occupied][order]
+
+
+def test_keras_rs_tables_publish_their_changed_rows(strategy, tmp_path):
+    # A keras-rs `DistributedEmbedding`: a fixed table (its `EmbedReduce` is an
+    # `Embedding`) and two dynamic tables (`DynamicTableConfig`, empty at the base: ids
+    # admitted in the deltas), each trained by its own optimizer on the ps tasks as row
+    # updates; the consumer builds keras-rs' own layer from the config.
+    pytest.importorskip("keras_rs")
+    from tests import test_keras_rs as rs
+
+    with strategy.scope():
+        model = rs.build(rs.dynamic_configs(), dtype="int64")
+    publisher = kerasps.callbacks.PublishDeltas(tmp_path / "d", model=model)
+    consumer = kerasps.DeltaConsumer(tmp_path / "d")
+    base = deltas.read_manifest(publisher.publish())
+    assert {t["name"].split("/")[1]: t["count"] for t in base["tables"]} == {
+        "users": 12, "items": 0, "frozen": 0}
+    assert consumer.update() == [1]
+    batches = iter(rs.dynamic_batches())
+    for _ in range(2):
+        features, labels = next(batches)
+        model.train_on_batch(features, labels)
+        manifest = deltas.read_manifest(publisher.publish())
+        counts = {t["name"].split("/")[1]: t["count"] for t in manifest["tables"]}
+        assert counts["users"] <= 8  # the batch's rows, not the table's 12
+        assert consumer.update() == [publisher.version]
+        for name in ("items", "frozen"):
+            layer = rs.dynamic_layer(model, name)
+            for a, b in zip(consumer.items(layer.rows.path), dynamic_items(layer)):
+                np.testing.assert_array_equal(a, b, err_msg=f"v{publisher.version} {name}")
+        np.testing.assert_array_equal(consumer.rows("embedding/users/embeddings"),
+                                      rs.table(model, "users"))
+        for a, b in zip(consumer.weights().values(), rs.dense_weights(model)):
+            np.testing.assert_array_equal(a, b)
+    assert counts["items"] > 0 and len(dynamic_items(rs.dynamic_layer(model, "items"))[0]) == 32
+    np.testing.assert_array_equal(consumer.model.predict(features, verbose=0),
+                                  model.predict(features, verbose=0))

@@ -6,14 +6,15 @@ one first, then deltas holding, per table, the ids whose rows changed since the
 previous version and their rows now, and the dense weights whole.
 
 * A fixed table is a `keras.layers.Embedding` whose `embeddings` is a
-  `kerasps.ShardedVariable`: its shards' flags give the changed rows, published by
-  global id (shard offset + row), so a consumer does not depend on the number of ps
-  tasks.
-* A `kerasps.layers.DynamicEmbedding`: the flags of its rows on each ps task (set by
-  row updates, admissions and evictions) give the rows to read, with their keys; the
-  keys published before from a row that now holds another key, or none, and that no
-  row holds now, are tombstones. The publisher remembers, per row, the key it last
-  published from it (on the chief: 9 bytes a row).
+  `kerasps.ShardedVariable` (a keras-rs `TableConfig` table's `EmbedReduce` is one):
+  its shards' flags give the changed rows, published by global id (shard offset +
+  row), so a consumer does not depend on the number of ps tasks.
+* A `kerasps.layers.DynamicEmbedding` (a keras-rs `DynamicTableConfig` table's layer
+  is one): the flags of its rows on each ps task (set by row updates, admissions and
+  evictions) give the rows to read, with their keys; the keys published before from a
+  row that now holds another key, or none, and that no row holds now, are tombstones.
+  The publisher remembers, per row, the key it last published from it (on the chief:
+  9 bytes a row).
 * Every other weight of the model is dense: written whole in each version.
 """
 
