@@ -969,3 +969,16 @@ def test_the_simulators_table_model_predicts_the_layers_hit_rate_and_churn():
     assert predicted.hit_rate == pytest.approx(measured["hits"] / measured["lookups"], abs=0.01)
     assert predicted.admitted_per_step == pytest.approx(measured["admitted"] / steps, rel=0.1)
     assert predicted.evicted_per_step == pytest.approx(measured["evicted"] / steps, rel=0.1)
+
+
+def test_a_table_with_steps_to_live_predicts_inside_a_traced_function():
+    # Reported with keras-rs' DynamicTableConfig(steps_to_live=2): a lookup outside
+    # training, traced (predict, evaluate, a serving function), failed to build:
+    # `tf.where` took the expired rows' -1 as int32 beside the map's int64 rows.
+    layer = DynamicEmbedding(2, capacity=8, num_partitions=1, steps_to_live=2)
+    train(layer, [[1, 2], [2], [2], [2]])  # 1 last seen at step 0: expired by now
+    lookup = tf.function(lambda ids: layer(ids, training=False))
+    out = lookup(tf.constant([1, 2], tf.int64)).numpy()
+    np.testing.assert_array_equal(out[0], [0, 0])  # expired: no row to read
+    np.testing.assert_array_equal(out[1], vector(layer, 2))
+    assert np.any(out[1] != 0)

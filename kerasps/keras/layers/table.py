@@ -224,7 +224,8 @@ class _Shard:
         found = tf.reshape(self.map.lookup(keys), [-1])
         if self.spec.steps_to_live is not None:
             last = tf.gather(self.tf_variable("state"), tf.maximum(found, 0))[:, LAST_SEEN]
-            found = tf.where(self._clock() - last > self.spec.steps_to_live, -1, found)
+            found = tf.where(self._clock() - last > self.spec.steps_to_live,
+                             tf.constant(-1, found.dtype), found)  # traced: not int32
         n = self.num_partitions
         looked = tf.math.unsorted_segment_sum(
             tf.stack([counts, tf.where(found >= 0, counts, 0)], axis=1), partitions, n)
