@@ -254,6 +254,30 @@ WORKER_NODE_LOSS = TRAINING + """
     resolver.shutdown()
 """
 
+# A driver that ends mid-`fit` without shutting its cluster down: Ctrl-C (SIGINT), or an
+# exception it does not catch. It reports its tasks, then trains until it is stopped.
+ENDED_MID_FIT = TRAINING + """
+    import ray
+
+    ray.init(address=sys.argv[1])
+    resolver = kerasps.ray.cluster(num_workers=1, num_ps=1)
+    report("job", dict(pids=[resolver.pid(t.task_type, t.index) for t in resolver.tasks],
+                       addresses=[t.address for t in resolver.tasks],
+                       group=resolver.placement_group.id.hex(),
+                       actors=[a._actor_id.hex() for a in map(
+                           lambda t: resolver.actor(t.task_type, t.index), resolver.tasks)]))
+    model = build(kerasps.ParameterServerStrategy(resolver))
+
+    def on_batch(batch, logs):
+        if batch == 2:
+            if sys.argv[2] == "exception":
+                raise ValueError("a bug in the program")
+            report("training", True)
+
+    model.fit(kerasps.DatasetCreator(dataset_fn), epochs=1000, steps_per_epoch=10, verbose=0,
+              callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=on_batch)])
+"""
+
 # A program that never started Ray: `cluster` starts a local one, which stops with it.
 LOCAL_RAY = """
     import json
@@ -772,3 +796,36 @@ def test_a_workers_node_lost_then_a_node_added_the_pool_shrinks_and_grows_back_i
     left = [i for i, line in enumerate(lines) if "worker 1 left" in line]
     joined = [i for i, line in enumerate(lines) if "worker 1 joined" in line]
     assert left and joined and left[0] < joined[-1], driver.text[-6000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["ctrl_c", "exception"])
+def test_a_driver_ended_mid_fit_leaves_no_actor_placement_group_process_or_port(ray_nodes,
+                                                                               how):
+    import signal
+
+    import ray
+
+    driver = _start(ENDED_MID_FIT, ray_nodes.address, how)
+    job = _wait_for_report(driver, "job")
+    if how == "ctrl_c":
+        _wait_for_report(driver, "training")
+        driver.send_signal(signal.SIGINT)
+    driver.wait(timeout=TIMEOUT_S)
+    driver.output.seek(0)
+    output = driver.output.read()
+    assert driver.returncode != 0, output[-3000:]
+    if how == "exception":
+        assert "ValueError: a bug in the program" in output, output[-3000:]
+    deadline = time.monotonic() + 60  # Ray reports its actors' deaths a moment later
+    while time.monotonic() < deadline:
+        states = {i: ray._private.state.actors(actor_id=i).get("State") for i in job["actors"]}
+        if set(states.values()) == {"DEAD"}:
+            break
+        time.sleep(0.2)
+    assert set(states.values()) == {"DEAD"}, states
+    assert ray.util.placement_group_table()[job["group"]]["state"] == "REMOVED"
+    for pid in job["pids"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert [address for address in job["addresses"] if _listening(address)] == []
