@@ -152,9 +152,11 @@ class Run:
         self.started = time.time()
         self.job = RunningJob(command, cwd=workdir, env={"TF_CPP_MIN_LOG_LEVEL": None, **env})
 
-    def _lines(self):
+    def _lines(self, start=0):
+        """The chief's lines from the job's line `start` on, as `(time, line)`."""
         prefix = "[chief 0] " if self.system == "launch" else ""
-        return [(t, line[len(prefix):]) for t, line in zip(self.job.times, self.job.lines)
+        return [(t, line[len(prefix):]) for t, line in zip(self.job.times[start:],
+                                                           self.job.lines[start:])
                 if line.startswith(prefix)]
 
     def reports(self) -> dict:
@@ -164,8 +166,8 @@ class Run:
                 found.update(json.loads(line[len("REPORT "):]))
         return found
 
-    def readings(self) -> list[tuple[float, int]]:
-        return [(float(t), int(v)) for _, line in self._lines() if line.startswith("it ")
+    def readings(self, start=0) -> list[tuple[float, int]]:
+        return [(float(t), int(v)) for _, line in self._lines(start) if line.startswith("it ")
                 for _, t, v in [line.split()]]
 
     def wait(self, condition, what):
@@ -177,7 +179,14 @@ class Run:
             time.sleep(0.01)
 
     def wait_for_step(self, step):
-        self.wait(lambda: any(v >= step for _, v in self.readings()), f"step {step}")
+        read = 0  # the job's lines looked at so far: each poll reads the new ones only
+
+        def reached():
+            nonlocal read
+            start, read = read, len(self.job.lines)
+            return any(v >= step for _, v in self.readings(start))
+
+        self.wait(reached, f"step {step}")
 
     def ps1_pid(self) -> int:
         if self.system == "launch":

@@ -326,13 +326,6 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         return distributed
 
     @property
-    def cluster_resolver(self):
-        """The `tf.distribute.cluster_resolver.ClusterResolver` the strategy was made with;
-        kerasps asks it where a restarted task serves (`kerasps.ray.cluster`'s moves a task
-        restarted on another node)."""
-        return self._cluster_resolver
-
-    @property
     def num_workers(self) -> int:
         return self._extended._num_workers
 

@@ -712,10 +712,15 @@ def task_alive(job: str, task: int) -> bool:
 
 
 def task_address(job: str, task: int) -> str | None:
-    """The `host:port` of task `task` of `job` in the connected cluster, or `None`."""
+    """The `host:port` of task `task` of `job` in the connected cluster, or `None`: where
+    the cluster's resolver says it serves now (`follow_resolver`: a task restarted at
+    another address), else where the connection declared it."""
     server_def = context.get_server_def()
     if server_def is None:
         return None
+    moved = moved_tasks(server_def, _resolver_spec()).get((job, task))
+    if moved is not None:
+        return moved[1]
     for declared in server_def.cluster.job:
         if declared.name == job:
             return declared.tasks.get(task)
@@ -872,11 +877,6 @@ def _no_removals_after_exit():
     atomic_function.AtomicFunction.__del__ = __del__
 
 
-def server_def():
-    """The server definition of this process's connection to a cluster, or `None`."""
-    return context.get_server_def()
-
-
 def connected() -> bool:
     """True once this process's eager context has connected to a cluster."""
     return context.get_server_def() is not None
@@ -967,12 +967,7 @@ def _where_tasks_serve(server_def):
     one (but this process's own) accepts connections there."""
     logged = set()
     while True:
-        resolver = _followed_resolver
-        try:
-            spec = None if resolver is None else resolver.cluster_spec()
-        except Exception:  # noqa: BLE001 - a resolver going away: the addresses known
-            spec = None
-        moves = moved_tasks(server_def, spec)
+        moves = moved_tasks(server_def, _resolver_spec())
         for (job, index), (old, new) in moves.items():
             if (job, index, new) not in logged:
                 logged.add((job, index, new))
@@ -986,6 +981,15 @@ def _where_tasks_serve(server_def):
         if not silent:
             return server_def
         time.sleep(RECONNECT_POLL_S)
+
+
+def _resolver_spec():
+    """The followed resolver's cluster now (`follow_resolver`), or `None`."""
+    resolver = _followed_resolver
+    try:
+        return None if resolver is None else resolver.cluster_spec()
+    except Exception:  # noqa: BLE001 - a resolver going away: the addresses known
+        return None
 
 
 def moved_tasks(server_def, cluster_spec) -> dict:

@@ -165,7 +165,7 @@ class ClusterCoordinator:
 
     def running_workers(self) -> list[int]:
         """The indices of the declared workers that answer now (one connection each, at
-        the address the strategy's cluster resolver gives).
+        the address the cluster's resolver gives now).
 
         In an elastic pool (`kerasps launch --workers MIN:MAX`) the others have
         left or not joined yet; TensorFlow runs functions on the ones that answer.
@@ -173,9 +173,7 @@ class ClusterCoordinator:
         looked for there (TensorFlow's reconnection goes there too:
         `kerasps.backend._tf.follow_resolver`).
         """
-        spec = self._strategy.cluster_resolver.cluster_spec()
-        return [i for i in range(self.num_workers)
-                if _tf.address_alive(spec.task_address("worker", i))]
+        return [i for i in range(self.num_workers) if _tf.task_alive("worker", i)]
 
     def silent_workers(self) -> str:
         """The declared workers that do not answer now, as device names for a message

@@ -245,11 +245,10 @@ def restart_training_input(model):
 def restore_lost_state(model, backup: Backup, ps_tasks) -> Progress:
     """Waits for `ps_tasks`, gives their variables new resources and restores the backup."""
     deadline = time.monotonic() + PS_RECOVERY_TIMEOUT
-    resolver = model.distribute_strategy.cluster_resolver
     for task in ps_tasks:
-        # The resolver says where the task serves now: a Ray actor restarted on another
-        # node serves at another address (`kerasps.ray.cluster`); others keep theirs.
-        while not _tf.address_alive(resolver.cluster_spec().task_address("ps", task)):
+        # At the address the cluster's resolver gives now: a Ray actor restarted on
+        # another node serves at another one (`kerasps.ray.cluster`).
+        while not _tf.ps_task_alive(task):
             if time.monotonic() > deadline:
                 raise PsTaskFailedError(task, "fit", reason=(
                     f"It did not answer again within {PS_RECOVERY_TIMEOUT:.0f} s, so the "
