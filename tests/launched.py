@@ -95,8 +95,9 @@ class RunningJob:
         self._reader.join(timeout=30)
         return code
 
-    def output(self) -> str:
-        return "\n".join(self.lines[-200:])
+    def output(self, last: int = 200) -> str:
+        """The job's output for a failure message: its last `last` lines after `folded`."""
+        return "\n".join(folded(self.lines)[-last:])
 
     def close(self):
         if self.process.poll() is None:
@@ -105,6 +106,29 @@ class RunningJob:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+
+
+def folded(lines: list[str], window: int = 8) -> list[str]:
+    """`lines` with repeats folded: a line like one of the `window` lines shown before it
+    (equal but for its numbers: `train batch 7`, a gRPC error block TensorFlow prints once
+    per function) is left out; a run of such lines shows as a count and its last line, so
+    what a failure message keeps is what happened, not 150 lines of steps."""
+    shown, recent, skipped = [], [], []
+    for line in lines:
+        key = re.sub(r"\d+", "#", line)
+        if key in recent:
+            skipped.append(line)
+            continue
+        if skipped:
+            shown.append(f"    [... {len(skipped)} line(s) like the ones above ...]")
+            shown.append(skipped[-1])
+            skipped = []
+        shown.append(line)
+        recent = (recent + [key])[-window:]
+    if skipped:
+        shown.append(f"    [... {len(skipped)} line(s) like the ones above ...]")
+        shown.append(skipped[-1])
+    return shown
 
 
 def process_gone(pid: int) -> bool:

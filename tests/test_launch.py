@@ -18,8 +18,21 @@ from kerasps.ops import console as console_lib
 from kerasps.ops import launch
 from kerasps.policy.restarts import Action, RestartPolicy, describe_exit
 from kerasps.runtime import cluster as cluster_lib
-from tests.launched import DEADLINE, RunningJob, process_gone, wait_until
+from tests.launched import DEADLINE, RunningJob, folded, process_gone, wait_until
 from tests.launched import launch as launch_job
+
+
+def test_a_failed_jobs_message_folds_repeated_lines_and_keeps_the_last_of_each_run():
+    lines = (["[launcher] started ps 0 at localhost:1 (pid 2)"]
+             + [f"[chief 0] train batch {i}" for i in range(1, 151)]
+             + ["[chief 0] E0000 12:00 context.cc:911] Failed", "[chief 0] peer 14"] * 20
+             + ["[chief 0] WARNING:kerasps:ps task(s) 1 lost their variables"])
+    assert folded(lines) == [
+        lines[0], "[chief 0] train batch 1",
+        "    [... 149 line(s) like the ones above ...]", "[chief 0] train batch 150",
+        "[chief 0] E0000 12:00 context.cc:911] Failed", "[chief 0] peer 14",
+        "    [... 38 line(s) like the ones above ...]", "[chief 0] peer 14",
+        lines[-1]]
 
 
 def test_a_server_is_restarted_until_its_budget_is_spent():
