@@ -282,13 +282,12 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         _tf.install_context_bound_resource_deleters()
         _tf.restart_input_of_retried_functions()
         _tf.install_function_removals_per_connection()
-        _tf.let_ps_tasks_see_each_other()  # a ps task that moved is reachable by the others
+        _tf.follow_resolver(cluster_resolver)  # where tasks move (Ray), connect where they are
         _tf.report_worker_failures()
         _tf.keep_executor_tracebacks_in_detail()
         tf_logs.keep_fault_detail()
         coordinator_lib.stop_every_coordinator()
         super().__init__(cluster_resolver, variable_partitioner=None)
-        _tf.follow_resolver(cluster_resolver)  # reconnections go where its tasks serve now
         if first_connection:
             _warn_of_deleted_variables(_keras.disown_variables_of_old_context())
         self._extended.__class__ = _Extended

@@ -306,3 +306,33 @@ def test_a_reconnection_waits_for_a_moved_task_and_goes_to_its_new_address(monke
     assert [r.getMessage() for r in caplog.records] == [
         f"ps 0 serves at {moved} now (was {lost}): reconnecting there."]
     assert _tf.moved_tasks(server_def, tf.train.ClusterSpec(old)) == {}
+
+
+@pytest.mark.parametrize("moving", [False, True])
+def test_only_a_cluster_whose_tasks_move_changes_how_tensorflow_connects(monkeypatch, moving):
+    # TF_CONFIG and in-process clusters keep TensorFlow's own connections: each ps task
+    # sees the workers and the chief, a reconnection goes to the addresses it knows. A
+    # resolver whose tasks move (Ray's) shows each ps task the others and makes each
+    # reconnection follow it.
+    import tensorflow as tf
+    from tensorflow.python.training import server_lib
+
+    from kerasps.backend import _tf
+
+    class Resolver:
+        tasks_move = moving
+
+        def cluster_spec(self):
+            return tf.train.ClusterSpec({"chief": ["localhost:1"], "ps": ["localhost:2"]})
+
+    monkeypatch.setattr(_tf, "_followed_resolver", None)
+    monkeypatch.setattr(_tf, "_ps_see_ps", False)
+    resolver = Resolver()
+    _tf.follow_resolver(resolver)
+    filters = server_lib.ClusterDeviceFilters()
+    filters.set_device_filters("ps", 0, ["/job:worker", "/job:chief"])
+    filters.set_device_filters("worker", 0, ["/job:ps", "/job:chief"])
+    expected = ["/job:worker", "/job:chief"] + (["/job:ps"] if moving else [])
+    assert filters._device_filters["ps"][0] == expected
+    assert filters._device_filters["worker"][0] == ["/job:ps", "/job:chief"]
+    assert _tf._followed_resolver is (resolver if moving else None)

@@ -906,45 +906,56 @@ _log = logging.getLogger("kerasps")
 
 
 def follow_resolver(cluster_resolver):
-    """Makes every reconnection of this process to its cluster go where
-    `cluster_resolver.cluster_spec()` says the tasks serve at that time (installed once;
-    each connection sets its resolver).
+    """Makes this process's connections to its cluster follow `cluster_resolver`'s tasks
+    where they can move (`cluster_resolver.tasks_move`: a Ray actor restarted on another
+    node serves at a new address, `kerasps.ray.cluster`); call it before connecting. Each
+    connection sets its own; TF_CONFIG and in-process clusters, whose addresses never
+    change, keep TensorFlow's own connections.
 
-    A reconnection (`update_server_def`: TensorFlow's failure handler's after a worker
-    failed, kerasps' after a ps task's, `reconnect_cluster`) first waits until every
-    task accepts connections, each at the address the resolver gives then (a Ray actor
-    restarted on another node serves at a new one, `kerasps.ray.cluster`), then connects
-    with those addresses: the eager context, and every task's view of the cluster, from
-    then on. TensorFlow's own update blocks in its first RPC until every task it knows
-    answers, at the address it knows, so a task that moved would hold it for good. A
-    resolver whose addresses never change (TF_CONFIG, in-process) changes nothing.
+    Where tasks move:
+
+    * every reconnection (`update_server_def`: TensorFlow's failure handler's after a
+      worker failed, kerasps' after a ps task's, `reconnect_cluster`) first waits until
+      every task accepts connections, each at the address the resolver gives then, and
+      connects there: the eager context, and every task's view of the cluster, from then
+      on. TensorFlow's own update blocks in its first RPC until every task it knows
+      answers, at the address it knows, so a task that moved would hold it for good;
+    * each ps task sees the other ps tasks (`let_ps_tasks_see_each_other`), so a
+      reconnection tells them where a moved one serves.
     """
-    global _followed_resolver, _following_installed
-    _followed_resolver = cluster_resolver
+    global _followed_resolver, _following_installed, _ps_see_ps
+    moving = bool(getattr(cluster_resolver, "tasks_move", False))
+    _followed_resolver = cluster_resolver if moving else None
+    _ps_see_ps = moving
     if _following_installed:
         return
     _following_installed = True
+    let_ps_tasks_see_each_other()
     update = context.Context.update_server_def
 
     def update_server_def_where_tasks_serve(self, server_def, *args, **kwargs):
-        return update(self, _where_tasks_serve(server_def), *args, **kwargs)
+        if _followed_resolver is not None:
+            server_def = _where_tasks_serve(server_def)
+        return update(self, server_def, *args, **kwargs)
 
     context.Context.update_server_def = update_server_def_where_tasks_serve
 
 
+_ps_see_ps = False  # whether the connection being made shows each ps task the others
 _ps_see_ps_installed = False
 
 
 def let_ps_tasks_see_each_other():
     """Makes TensorFlow's strategy connect with device filters that show each ps task the
-    other ps tasks too (installed once; TensorFlow's show it the workers and the chief).
+    other ps tasks too, where the cluster's tasks move (`follow_resolver`; installed once;
+    TensorFlow's show a ps task the workers and the chief).
 
     A ps task whose filtered view of the cluster does not change gets no update of it
     when the coordinator reconnects (`update_server_def`), and reaches another ps task
     (ops of one step span ps tasks: a sharded table's optimizer) through the addresses of
-    its server's start. A ps task restarted at another address (`follow_resolver`) was then
-    unreachable from the others for good; with each ps task in the others' view, every
-    reconnection gives them its new address.
+    its server's start. A ps task restarted at another address was then unreachable from
+    the others for good; with each ps task in the others' view, every reconnection gives
+    them its new address.
     """
     global _ps_see_ps_installed
     if _ps_see_ps_installed:
@@ -955,7 +966,7 @@ def let_ps_tasks_see_each_other():
     set_filters = server_lib.ClusterDeviceFilters.set_device_filters
 
     def set_device_filters_ps_seeing_ps(self, job_name, task_index, device_filters):
-        if job_name == "ps" and "/job:ps" not in device_filters:
+        if _ps_see_ps and job_name == "ps" and "/job:ps" not in device_filters:
             device_filters = [*device_filters, "/job:ps"]
         return set_filters(self, job_name, task_index, device_filters)
 

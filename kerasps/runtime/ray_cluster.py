@@ -204,6 +204,9 @@ class RayClusterResolver(tf.distribute.cluster_resolver.SimpleClusterResolver):
         failure: why the job failed (a task's actor dead for good), or `None`.
     """
 
+    # Its tasks move: kerasps' connections follow `cluster_spec()` (`_tf.follow_resolver`).
+    tasks_move = True
+
     def __init__(self, cluster_spec, tasks, actors, placement_group, owns_placement_group,
                  uses_started_ray=False, max_restarts=3):
         super().__init__(cluster_spec, task_type="chief", task_id=0, rpc_layer="grpc")
