@@ -21,6 +21,7 @@ import tensorflow as tf
 
 import kerasps
 from kerasps.keras import serving
+from kerasps.keras.trainer import dispatch
 from kerasps.policy import deltas
 from tests.launched import run_with_deadline
 
@@ -218,6 +219,54 @@ def test_ftrls_first_step_moves_every_row_and_publishes_them(make_strategy, tmp_
     assert counts == [64, 8]
 
 
+@pytest.mark.parametrize("optimizer, sparse_updates, counts", [
+    ("adagrad", "exact", [8, 4]),  # the rows of each batch's distinct ids
+    ("adagrad", "lazy", [8, 4]),
+    ("adam", "exact", [64, 64]),  # Keras' Adam moves every row (its momentum)
+])
+def test_an_unsharded_table_publishes_its_changed_rows_not_the_whole_table(
+        make_strategy, optimizer, sparse_updates, counts, tmp_path):
+    # The strategy's default: no partitioner, each table whole on one ps task. Its rows
+    # are tracked and published like a sharded table's (before: written whole in every
+    # version); its update stays Keras' own, bit for bit, in either mode.
+    strategy = make_strategy(sparse_updates=sparse_updates)
+    model, untracked = build(strategy, optimizer), build(strategy, optimizer)
+    untracked.set_weights(model.get_weights())
+    publisher = kerasps.callbacks.PublishDeltas(tmp_path / "d", model=model)
+    consumer = kerasps.DeltaConsumer(tmp_path / "d")
+    assert not isinstance(model.get_layer("fixed").embeddings,
+                          kerasps.ShardedVariable)
+    publisher.publish()
+    published = []
+    for x in (BATCH[:8], BATCH[8:12]):
+        for trained in (model, untracked):
+            trained.train_on_batch(x, np.ones([len(x), 1], "float32"))
+        manifest = deltas.read_manifest(publisher.publish())
+        published.append({t["name"]: t["count"] for t in manifest["tables"]}.get(FIXED))
+        consumer.update()
+        assert_same(trainer_state(model), consumer_state(consumer), f"v{publisher.version}")
+    assert published == counts
+    np.testing.assert_array_equal(model.get_layer("fixed").embeddings.numpy(),
+                                  untracked.get_layer("fixed").embeddings.numpy())
+
+
+def test_a_model_of_no_kerasps_strategy_publishes_its_tables_whole(tmp_path):
+    # Nothing flags rows outside a kerasps strategy: its tables are dense weights.
+    ids = keras.Input((1,), dtype="int64")
+    model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(
+        keras.layers.Embedding(10, 2, name="table")(ids))))
+    model.compile("sgd", "mse")
+    publisher = kerasps.callbacks.PublishDeltas(tmp_path / "d", model=model)
+    publisher.publish()
+    model.train_on_batch(np.array([[3]]), np.ones([1, 1]))
+    manifest = deltas.read_manifest(publisher.publish())
+    assert manifest["tables"] == []
+    consumer = kerasps.DeltaConsumer(tmp_path / "d")
+    consumer.update()
+    np.testing.assert_array_equal(consumer.weights()["table/embeddings"],
+                                  model.get_layer("table").embeddings.numpy())
+
+
 # -- faults ---------------------------------------------------------------------------
 def test_a_gap_is_refused_naming_the_version_expected(published, tmp_path):
     directory = copy_of(published, tmp_path)
@@ -296,6 +345,17 @@ def test_a_partial_version_is_never_visible(tmp_path):
     assert deltas.remove_temporaries(tmp_path) == [f"{deltas.TEMPORARY_PREFIX}v00000001-x"]
 
 
+@pytest.mark.parametrize("every", [{"every_steps": 3}, {"every_seconds": 0.001}, {}])
+def test_a_publishing_fit_reads_no_batch_logs_for_the_publisher(every, tmp_path):
+    # A hook on a batch's end makes `fit` read the metrics' results on the ps tasks a few
+    # times a second (5.6% of a fit's steps/s publishing every 30 s, issue 41); a publisher
+    # reads no logs, so it needs none.
+    publisher = kerasps.callbacks.PublishDeltas(tmp_path, **every)
+    assert not dispatch.reads_batch_logs(keras.callbacks.CallbackList([publisher]))
+    assert dispatch.reads_batch_logs(keras.callbacks.CallbackList([
+        publisher, keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: 0)]))
+
+
 def test_arguments_are_checked_keras_style(tmp_path):
     with pytest.raises(ValueError, match=r"`every_steps`.*Received: every_steps=0"):
         kerasps.callbacks.PublishDeltas(tmp_path, every_steps=0)
@@ -321,6 +381,7 @@ def test_a_consumer_process_killed_mid_apply_leaves_the_versions_whole(published
         import os, signal, sys
         import kerasps
         from kerasps.keras import serving
+from kerasps.keras.trainer import dispatch
         apply = serving._Dynamic.apply
         def killed(self, *args):
             apply(self, *args)

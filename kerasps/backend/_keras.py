@@ -1020,7 +1020,9 @@ def _lazily_decayed(optimizer, variable) -> bool:
 
 def _update_variable(variable, optimizer, mode, received, unpack):
     """One variable's update, on its ps task: `kerasps.params.sparse.update_rows` for a
-    shard with a row update where `mode` allows it, else Keras' `update_step`."""
+    shard with a row update where `mode` allows it, else Keras' `update_step` (whose
+    moved rows are flagged where they are tracked: an unsharded table that
+    `kerasps.callbacks.PublishDeltas` publishes)."""
     learning_rate = unpack()  # here: on the variable's ps task
     gradient = received()
     keras_variable = optimizer._trainable_variables[optimizer._get_variable_index(variable)]
@@ -1030,6 +1032,7 @@ def _update_variable(variable, optimizer, mode, received, unpack):
         if decayed:
             _handlers.sparse.decay(optimizer, variable)
         optimizer.update_step(gradient, variable, learning_rate)
+        _handlers.sparse.flag_keras_update(optimizer, gradient, variable, keras_variable)
 
 
 def update_rows_and_send_once(self, distribution, grads_and_vars, learning_rate):

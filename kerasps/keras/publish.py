@@ -52,15 +52,16 @@ def _positive(name, value):
 
 
 class _FixedTable:
-    """A `keras.layers.Embedding` whose table is sharded: flags per shard."""
+    """A `keras.layers.Embedding`'s table, sharded (flags per shard) or on one ps task."""
 
     kind = "fixed"
 
     def __init__(self, variable):
         self.variable = variable
         self.name = variable.path
-        self.shards = variable.shards
-        self.offsets = variable.shard_offsets
+        sharded = isinstance(variable, variables_lib.ShardedVariable)
+        self.shards = variable.shards if sharded else [variable]
+        self.offsets = variable.shard_offsets if sharded else [0]
         self.track()
 
     def track(self, renew=False):
@@ -203,8 +204,8 @@ class PublishDeltas(keras.callbacks.Callback):
                              f"Received: dtype={dtype!r}")
         self.dtype = dtype
         if self.every_steps is None and self.every_seconds is None:
-            # No batch hook: `fit` then reads no batch logs for this callback.
-            self.on_train_batch_end = keras.callbacks.Callback.on_train_batch_end.__get__(self)
+            self.on_train_batch_begin = keras.callbacks.Callback.on_train_batch_begin.__get__(
+                self)
         self.version = None  # the last version written
         self.published = []  # (version, kind) of this publisher's versions
         self._tables = None
@@ -235,13 +236,17 @@ class PublishDeltas(keras.callbacks.Callback):
                              "it (call it on data, or give `keras.Input`s) first. "
                              f"Received: model={model!r}")
         tables, covered = [], set()
+        # A table's rows are flagged by a kerasps strategy's updates; elsewhere (a model
+        # of no kerasps strategy) every weight is dense, written whole.
+        kerasps_model = getattr(model.distribute_strategy, "_is_kerasps", False)
         for layer in model._flatten_layers():
             if isinstance(layer, DynamicEmbedding) and layer._table is not None:
                 table = _DynamicTable(layer)
                 tables.append(table)
                 covered |= table.variables
-            elif isinstance(layer, keras.layers.Embedding) and isinstance(
-                    layer.embeddings, variables_lib.ShardedVariable):
+            elif kerasps_model and isinstance(layer, keras.layers.Embedding) and (
+                    isinstance(layer.embeddings, variables_lib.ShardedVariable)
+                    or layer.embeddings.trainable):
                 table = _FixedTable(layer.embeddings)
                 tables.append(table)
                 covered.add(id(layer.embeddings))
@@ -270,9 +275,22 @@ class PublishDeltas(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_steps = 0
 
-    def on_train_batch_end(self, batch, logs=None):
-        steps = self._steps_before_epoch + batch + 1
-        self._epoch_steps = batch + 1
+    # The batch hook is `on_train_batch_begin`, whose logs are none: a hook on a batch's
+    # end would make `fit` read the metrics' results for it a few times a second
+    # (`kerasps.keras.trainer.dispatch.reads_batch_logs`), and a publish reads no logs.
+    def on_train_batch_begin(self, batch, logs=None):
+        self._epoch_steps = batch  # the steps run (or running) before this batch
+        self._publish_if_due(self._steps_before_epoch + batch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._steps_before_epoch += (self.params or {}).get("steps") or (
+            getattr(self, "_epoch_steps", 0) + 1)
+        if self.every_steps is None and self.every_seconds is None:
+            self.publish()
+        else:
+            self._publish_if_due(self._steps_before_epoch)
+
+    def _publish_if_due(self, steps):
         due = (self.every_steps is not None
                and steps - self._steps_at_publish >= self.every_steps) or (
             self.every_seconds is not None
@@ -280,12 +298,6 @@ class PublishDeltas(keras.callbacks.Callback):
         if due:
             self.publish()
             self._steps_at_publish = steps
-
-    def on_epoch_end(self, epoch, logs=None):
-        self._steps_before_epoch += getattr(self, "_epoch_steps", 0) or (
-            self.params or {}).get("steps") or 0
-        if self.every_steps is None and self.every_seconds is None:
-            self.publish()
 
     def on_train_end(self, logs=None):
         if self.every_steps is not None or self.every_seconds is not None:

@@ -213,6 +213,26 @@ _RULES = {
 }
 
 
+def flag_keras_update(optimizer, gradient, variable, keras_variable):
+    """Flags the rows that Keras' own `update_step` of `gradient` moved in `variable`, if
+    its changed rows are tracked (`kerasps.params.changes.track`: a table that is no
+    shard keeps Keras' update, bit for bit): the gradient's rows where Keras' rule moves
+    no other (a row update with SGD without momentum or Adagrad, no weight decay),
+    every row otherwise. Returns the op, or `None` for an untracked variable."""
+    changes = changes_lib.changes_of(variable)
+    if changes is None:
+        return None
+    rule = type(optimizer).update_step
+    row_local = isinstance(gradient, tf.IndexedSlices) and (
+        rule is keras.optimizers.Adagrad.update_step
+        or (rule is keras.optimizers.SGD.update_step and optimizer.momentum == 0)) and not (
+        optimizer.weight_decay is not None and optimizer._use_weight_decay(keras_variable))
+    written = [changes_lib.written(variable)]
+    if row_local:
+        return changes.mark(gradient.indices, after=written)
+    return changes.mark_all(after=written)
+
+
 def update_rows(optimizer, gradient, variable, learning_rate, mode, weight_decay=False) -> bool:
     """Updates the rows of `variable` that `gradient` touches, if `mode` allows.
 
