@@ -5,7 +5,8 @@ Jobs that run for days must not grow with steps or saves. The job: `kerasps laun
 sharded over both ps tasks, mean of 4 ids, Dense 32, Dense 1; Adam; per-worker batch 64)
 with `BackupAndRestore(save_freq=50)`, a `ModelCheckpoint` and a validation pass
 (`evaluate`) at every epoch's end, until `--minutes` have passed. A ps task and a worker
-are SIGKILLed in turn, `--kills` times, spread over the run's second half; the launcher
+are SIGKILLed in turn, `--kills` times, spread over the run's second half (or
+`--kills-within`); the launcher
 restarts them and `fit` goes on (a lost ps task is restored from the backup).
 
 Sampled every `--interval` seconds, per task (chief, workers, ps tasks; each restarted
@@ -27,6 +28,8 @@ every measure over time is written (`--plot`, docs/soak.png by default).
     pip install -e .
     python benchmarks/soak.py                        # 20 minutes; record + plot
     python benchmarks/soak.py --minutes 240          # hours
+    python benchmarks/soak.py --minutes 90 --warmup 0.06 --kills 2 --kills-within 0.2 0.35
+                                                     # a restored ps task watched 1 hour
     python benchmarks/soak.py --quick                # a smoke run: ~1 minute, 1 kill, no files
     python benchmarks/soak.py --report benchmarks/records/soak.json   # print a record again
 """
@@ -163,8 +166,10 @@ def _thread_names(pid: int) -> dict:
     return dict(names)
 
 
-def run(minutes: float, kills: int, interval: float, workdir: str) -> dict:
-    """Runs the job for `minutes`, killing `kills` tasks in its second half; the samples."""
+def run(minutes: float, kills: int, interval: float, workdir: str,
+        within: tuple[float, float] = (0.5, 0.9)) -> dict:
+    """Runs the job for `minutes`, killing `kills` tasks evenly spread over the fractions
+    `within` of the run; the samples."""
     started = time.time()
     deadline = started + 60 * minutes
     script = os.path.join(workdir, "chief.py")
@@ -175,7 +180,9 @@ def run(minutes: float, kills: int, interval: float, workdir: str) -> dict:
          str(PS), "--max-restarts", str(kills + 2), script, str(interval), str(deadline),
          str(VOCAB), str(STEPS_PER_EPOCH), str(SAVE_FREQ), workdir],
         cwd=workdir, env={"TF_CPP_MIN_LOG_LEVEL": None})
-    kill_times = [started + 60 * minutes * (0.5 + 0.4 * (i + 0.5) / kills) for i in range(kills)]
+    first, last = within
+    kill_times = [started + 60 * minutes * (first + (last - first) * (i + 0.5) / kills)
+                  for i in range(kills)]
     samples, kills_done = [], []
     names = {}  # pid -> its task and its threads' names at its first and latest sample
     try:
@@ -357,6 +364,10 @@ def main(argv=None) -> int:
                         help="how long the job trains (default 20)")
     parser.add_argument("--kills", type=int, default=4,
                         help="tasks SIGKILLed, a ps task and a worker in turn (default 4)")
+    parser.add_argument("--kills-within", type=float, nargs=2, default=(0.5, 0.9),
+                        metavar=("START", "END"),
+                        help="the fractions of the run the kills are spread over (default "
+                             "0.5 0.9); early kills leave a restored task long to watch")
     parser.add_argument("--interval", type=float, default=10.0,
                         help="seconds between samples (default 10)")
     parser.add_argument("--warmup", type=float, default=0.25,
@@ -367,13 +378,18 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: 1.5 minutes, 1 ps kill, writes no files")
     args = parser.parse_args(argv)
+    start, end = args.kills_within
+    if not 0 <= start <= end <= 1:
+        parser.error("Invalid value for argument `--kills-within`: expected two fractions "
+                     f"0 <= START <= END <= 1. Received: --kills-within {start:g} {end:g}")
     if args.report:
         with open(args.report) as f:
             return 0 if report(json.load(f)) else 1
     if args.quick:
         args.minutes, args.kills, args.interval = 1.5, 1, 2.0
     with tempfile.TemporaryDirectory(prefix="kerasps-soak-") as workdir:
-        record = run(args.minutes, args.kills, args.interval, workdir)
+        record = run(args.minutes, args.kills, args.interval, workdir,
+                     tuple(args.kills_within))
     record["warmup_s"] = 60 * args.minutes * args.warmup
     if not record["statuses"]:
         print("soak: the chief reported nothing; its exit:", record["code"])
