@@ -351,3 +351,43 @@ def test_the_network_benchs_warm_up_runs_each_function_on_every_worker(monkeypat
     coordinator.script = [{0: 1, 1: 1}] + [{0: 6}] * 5
     with pytest.raises(RuntimeError, match="fewer than 3 executions"):
         network.warm_up(RecordedFits(), data=None, spe=10, minimum=20)
+
+
+def constant_fn(input_context):
+    """Every batch the same: the metrics do not depend on which worker ran which step."""
+    ids = tf.constant([[1, 2]] * BATCH, tf.int32)
+    return tf.data.Dataset.from_tensors((ids, tf.ones((BATCH, 1)))).repeat()
+
+
+class TestBatchLogs(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.logs.append(dict(logs))
+
+
+@pytest.mark.parametrize("spe", [1, 4])
+def test_an_evaluation_of_known_steps_reads_the_metrics_once_not_each_result(
+        strategy, results_read, spe):
+    # An evaluation of `steps` steps that no callback watches batch by batch (`fit`'s
+    # validation pass with `validation_steps`, as in the soak) copied each function's
+    # result from its worker, ~3 KB kept there for good each time (docs/figures.md,
+    # soak); its metrics are read on the ps tasks once at its end instead.
+    model = build(strategy, steps_per_execution=spe)
+    data = kerasps.DatasetCreator(constant_fn)
+    quiet = model.evaluate(data, steps=4 * spe, verbose=0, return_dict=True)
+    assert results_read == []
+    watcher = TestBatchLogs()
+    watched = model.evaluate(data, steps=4 * spe, verbose=0, callbacks=[watcher],
+                             return_dict=True)
+    assert len(results_read) == 4 and len(watcher.logs) == 4  # one per function
+    assert quiet.keys() == watched.keys()
+    for name in quiet:
+        assert quiet[name] == pytest.approx(watched[name]), name
+    # `fit`'s progress bar shows no validation batch: its validation reads no result.
+    results_read.clear()
+    model.fit(data, epochs=1, steps_per_epoch=2 * spe, validation_data=data,
+              validation_steps=2 * spe, verbose=1)
+    assert results_read == []

@@ -163,6 +163,12 @@ def metrics_result_or_logs(model, logs):
     return model._get_metrics_result_or_logs(logs)
 
 
+def is_progress_bar_of_a_fit(callback) -> bool:
+    """True for Keras' progress bar called by a `fit` (it shows no validation batch)."""
+    return isinstance(callback, keras.callbacks.ProgbarLogger) and bool(
+        getattr(callback, "_called_in_fit", False))
+
+
 def history_of(callbacks):
     """The `keras.callbacks.History` of a `CallbackList`, or `None`."""
     return getattr(callbacks, "_history", None)

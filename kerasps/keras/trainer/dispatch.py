@@ -155,5 +155,16 @@ def reads_batch_logs(callbacks) -> bool:
                for hook in ("on_train_batch_end", "on_batch_end"))
 
 
+def reads_test_batch_logs(callbacks) -> bool:
+    """True if a callback may read the logs of `on_test_batch_end` (as
+    `reads_batch_logs`); the progress bar of a `fit` does not (Keras' shows the
+    validation's logs at the epoch's end only)."""
+    if type(callbacks) is not _keras.CallbackList:
+        return True
+    return any(not _keras.is_progress_bar_of_a_fit(callback)
+               and not getattr(callback.on_test_batch_end, "_is_default", False)
+               for callback in callbacks.callbacks)
+
+
 def to_logs(values):
     return _keras.pythonify_logs(values) if isinstance(values, dict) else values

@@ -9,7 +9,7 @@ import tensorflow as tf
 from kerasps.backend import _keras, _tf
 from kerasps.keras.trainer import recovery
 from kerasps.keras.trainer.checks import build, check_model
-from kerasps.keras.trainer.dispatch import Window, to_logs
+from kerasps.keras.trainer.dispatch import Window, reads_test_batch_logs, to_logs
 from kerasps.keras.trainer.inputs import make_source, per_worker_dataset, require_finite
 from kerasps.keras.trainer.steps import make_test_function, unpack_test_result
 from kerasps.policy._validation import positive_int
@@ -77,7 +77,10 @@ class Evaluation:
         """One pass: resets the metrics, starts fresh iterators and returns the last logs."""
         model, coordinator = self.model, self.coordinator
         spe = model.steps_per_execution
-        test_function = make_test_function(model)
+        # Results only where they are needed: the steps each function ran (an evaluation
+        # to the data's end), or a callback reading each batch's logs.
+        results = self.steps is None or reads_test_batch_logs(callbacks)
+        test_function = make_test_function(model, results)
         iterator = iter(self.per_worker)
         if coordinator.tracing:
             coordinator.set_trace_phase("eval", spe)
@@ -90,6 +93,11 @@ class Evaluation:
         def deliver(results):
             nonlocal done, logs
             for requested, result in results:
+                if result is None:  # a function without results ran its steps
+                    callbacks.on_test_batch_begin(done)
+                    done += requested
+                    callbacks.on_test_batch_end(done - 1, {})
+                    continue
                 count, worker, result = unpack_test_result(model, result)
                 if count < requested:  # this worker's dataset has run out
                     exhausted.add(worker)
@@ -110,6 +118,8 @@ class Evaluation:
                 scheduled += n
                 deliver(window.ready())
             deliver(window.drain())
+            if not results:
+                logs = dict(model.get_metrics_result())  # read on the ps tasks
         except BaseException as error:
             window.abandon()
             recovery.raise_if_ps_lost(error, model, "evaluate")

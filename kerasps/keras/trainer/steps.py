@@ -254,10 +254,19 @@ def make_train_to_end_function(model, with_logs=True):
     return cache[name]
 
 
-def make_test_function(model):
+def make_test_function(model, results=True):
+    """The model's test function: runs up to `steps` test steps on a worker's iterator.
+
+    With `results`, it returns the steps it ran, the worker's index and the metrics'
+    results (one packed tensor); without, nothing: where the caller knows how many steps
+    to run and no callback reads a batch's logs, the metrics are read on the ps tasks
+    once at the end, and no result is copied from the worker (each copy keeps a few
+    kilobytes there for good, docs/limitations.md).
+    """
     cache = step_functions(model)
-    if "test" in cache:
-        return cache["test"]
+    key = "test" if results else "test_without_results"
+    if key in cache:
+        return cache[key]
     strategy = model.distribute_strategy
 
     @tf.autograph.experimental.do_not_convert
@@ -274,6 +283,8 @@ def make_test_function(model):
 
         _, done, _ = tf.while_loop(lambda i, done, more: tf.logical_and(i < steps, more),
                                    body, (tf.constant(0), tf.constant(0), tf.constant(True)))
+        if not results:
+            return None
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
         # One tensor where the metrics are scalars: each tensor of a result is read
         # from the worker on its own, and TensorFlow keeps a few kilobytes on the
@@ -281,8 +292,8 @@ def make_test_function(model):
         return _packed({DONE: done, WORKER: worker, **model.get_metrics_result()}, cache,
                        keys="test_packed_keys")
 
-    cache["test"] = tf.function(test_function, reduce_retracing=True)
-    return cache["test"]
+    cache[key] = tf.function(test_function, reduce_retracing=True)
+    return cache[key]
 
 
 def make_predict_function(model, empty_outputs):
