@@ -48,8 +48,8 @@ BENCHMARKS = [
     benchmark("network", r"largest error, other rows"),
     benchmark("on_ray", r"\| ray \| 1/1 \|"),
     benchmark("online", r"steps/s publishing / none: \d"),
-    benchmark("soak", r".", pytest.mark.skipif(not (ROOT / "benchmarks/soak.py").exists(),
-                                             reason="benchmarks/soak.py is not there yet")),
+    benchmark("freshness", r"\| frozen \| - \| 0\.\d+ \|"),
+    benchmark("soak", r"."),
 ]
 
 

@@ -402,3 +402,34 @@ def test_hybrid_tutorial_shows_the_study_of_every_mode(hybrid_tutorial):
     text = _stdout_of(hybrid_tutorial, "study")
     for mode in ("sync", "hybrid", "sync + 1 backup", "hybrid + 1 backup", "async"):
         assert re.search(rf"^{re.escape(mode)}\s+\d", text, re.MULTILINE), text
+
+
+ONLINE_TUTORIAL = "10_online_training_and_serving.ipynb"
+
+
+@pytest.fixture(scope="module")
+def online_tutorial():
+    return run_notebook(ONLINE_TUTORIAL, timeout=600)
+
+
+@pytest.mark.notebook
+def test_online_tutorial_publishes_a_full_version_then_the_rows_that_changed(online_tutorial):
+    text = _stdout_of(online_tutorial, "published")
+    versions = re.findall(r"^v\d+: (full|delta)\s+(\d+) rows", text, re.MULTILINE)
+    assert [kind for kind, _ in versions] == ["full"] + ["delta"] * 4
+    full = int(versions[0][1])
+    assert all(0 < int(rows) < full / 5 for _, rows in versions[1:]), text
+    exact = _stdout_of(online_tutorial, "exact")
+    assert "server rows equal the trainer's: True" in exact
+    assert "same predictions: True" in exact
+
+
+@pytest.mark.notebook
+def test_online_tutorial_fresher_servers_score_the_next_clicks_better(online_tutorial):
+    text = _stdout_of(online_tutorial, "freshness")
+    mean = {name.strip(): float(auc) for name, auc in
+            re.findall(r"^(.+?)\s+mean AUC ([\d.]+),", text, re.MULTILINE)}
+    assert set(mean) == {"deltas", "full every 10", "frozen"}, text
+    assert mean["deltas"] > mean["full every 10"] > mean["frozen"] + 0.02, text
+    study = _stdout_of(online_tutorial, "study")
+    assert re.search(r"^frozen\s+mean AUC", study, re.MULTILINE), study
