@@ -213,6 +213,7 @@ def test_serve_refuses_a_chief_task(monkeypatch):
         kerasps.cluster.serve()
 
 
+@pytest.mark.slow  # a cluster of real processes
 def test_model_fit_on_a_cluster_of_real_processes_wired_by_tf_config(tmp_path):
     cluster = {
         "chief": [f"localhost:{portpicker.pick_unused_port()}"],

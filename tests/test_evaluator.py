@@ -87,6 +87,7 @@ def test_a_file_rewritten_every_epoch_is_evaluated_again_until_training_finished
     assert_metrics(second, after_2)
 
 
+@pytest.mark.slow  # three epochs with a double backup: ~25 s
 def test_a_backup_directory_is_read_at_its_latest_backup(tmp_path):
     model = build()
     model.fit(X, Y, batch_size=8, epochs=3, verbose=0, callbacks=[

@@ -954,6 +954,7 @@ np.testing.assert_allclose(loaded.predict(dict(np.load(sys.argv[2])), verbose=0)
 """
 
 
+@pytest.mark.slow  # saves, loads and exports under 3 layouts: ~20 s
 def test_a_dynamic_table_stays_dynamic_in_keras_files_and_exports(make_strategy, tmp_path):
     with two_shards(make_strategy).scope():
         model = build(dynamic_configs(), dtype="int64")

@@ -80,6 +80,7 @@ def _committed(name, mode):
 LINKS = ["network_link_2026-11-26.jsonl", "network_link_2026-11-26e.jsonl"]
 
 
+@pytest.mark.slow  # minutes of simulation: the published tables, checked in CI
 @pytest.mark.parametrize("day, workers", [("2026-11-25", ["1", "2", "3", "4"]),
                                           ("2026-11-26", ["2"]), ("2026-11-26b", ["2"]),
                                           ("2026-11-26c", ["2"]), ("2026-11-26d", ["2"]),
@@ -102,6 +103,7 @@ def test_the_committed_bench_records_make_the_published_prediction_tables(day, w
     assert len(calibration) == 1 and calibration[0][8] in {"+0%", "-0%"}, table
 
 
+@pytest.mark.slow  # minutes of simulation: the published tables, checked in CI
 def test_the_latest_runs_are_predicted_as_published():
     """docs/figures.md, 2026-11-26e: runs made after the model was set, predicted by it.
     The largest error over the rows other than the calibration's, per model: 28% with the
@@ -114,6 +116,7 @@ def test_the_latest_runs_are_predicted_as_published():
     assert (worst[8 + 2 * 3], worst[8 + 2 * 4]) == ("28%", "13%"), table
 
 
+@pytest.mark.slow  # minutes of simulation: the published tables, checked in CI
 def test_the_four_sets_pooled_are_predicted_as_published():
     """docs/figures.md, "Seven or eight runs per row": the sets 26b-26e, made with the
     same workload and bench, pooled (the median of each row's 7-8 runs). Largest error
@@ -130,6 +133,7 @@ def test_the_four_sets_pooled_are_predicted_as_published():
     assert len(greedy) == 1 and greedy[0].split("|")[-3].strip() == "+10%", table
 
 
+@pytest.mark.slow  # minutes of simulation: the published tables, checked in CI
 def test_the_runs_after_the_gradients_were_packed_are_predicted_as_published():
     """docs/figures.md, 2026-11-26f: the set made after each ps task's small gradients
     crossed in one tensor (26% at worst with the ps links alone, 7% with the workers'
