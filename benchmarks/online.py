@@ -60,14 +60,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1e5 rows, 1 s publishes")
     parser.add_argument("--rows", type=int, default=None, help="default 1e6 (1e5 quick)")
-    parser.add_argument("--repeats", type=int, default=None, help="default 3 (1 quick)")
+    parser.add_argument("--repeats", type=int, default=None, help="default 4 (1 quick)")
     parser.add_argument("--seconds", type=float, default=None,
                         help="timed fit length, default 90 (4 quick)")
     parser.add_argument("--every-seconds", type=float, default=None,
                         help="publish interval in the training part, default 30 (1 quick)")
     args = parser.parse_args(argv)
     rows = args.rows or (100_000 if args.quick else 1_000_000)
-    repeats = args.repeats or (1 if args.quick else 3)
+    repeats = args.repeats or (1 if args.quick else 4)
     seconds = args.seconds or (4.0 if args.quick else 90.0)
     every = args.every_seconds or (1.0 if args.quick else 30.0)
 
@@ -75,6 +75,7 @@ def main(argv=None):
     import tensorflow as tf
 
     import kerasps
+    from kerasps.policy import deltas
 
     strategy = kerasps.ParameterServerStrategy(
         kerasps.cluster.in_process(num_workers=2, num_ps=2),
@@ -130,10 +131,11 @@ def main(argv=None):
 
     # -- training ---------------------------------------------------------------------
     def dataset_fn(input_context):
-        generator = np.random.default_rng(input_context.input_pipeline_id)
-        ids = generator.integers(0, rows, size=(8192, 1))
-        return tf.data.Dataset.from_tensor_slices((ids, np.ones([8192, 1], "float32"))
-                                                  ).repeat().batch(64)
+        # Ids drawn afresh at every step (an online stream: ~30% of the rows change
+        # between two publishes 30 s apart here), not a few thousand read again and again.
+        ids = tf.data.Dataset.random(seed=input_context.input_pipeline_id).map(
+            lambda r: (tf.reshape(r % rows, [1]), tf.ones([1], tf.float32)))
+        return ids.batch(64)
 
     data = kerasps.DatasetCreator(dataset_fn)
     steps_probe = 50
@@ -148,13 +150,19 @@ def main(argv=None):
     model.fit(data, epochs=1, steps_per_epoch=steps_probe, verbose=0,
               callbacks=[trainer_publisher])  # warm-up: traced with the tracking
     versions = len(trainer_publisher.published)
-    for _ in range(repeats):
-        for name in ("none", "publishing"):
+    # In turns, each repeat in the other order (ABBA): a drift of the machine over the
+    # run (steps/s fell 185 -> 132 over 7 identical fits in one run here) weighs on both.
+    for repeat in range(repeats):
+        for name in ("none", "publishing")[::1 if repeat % 2 == 0 else -1]:
             callbacks = [trainer_publisher] if name == "publishing" else []
             started = time.perf_counter()
             model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=callbacks)
             timed[name].append(steps / (time.perf_counter() - started))
-    versions = len(trainer_publisher.published) - versions
+    published = trainer_publisher.published[versions:]
+    versions = len(published)
+    changed = [sum(t["count"] for t in deltas.read_manifest(os.path.join(
+        work, "fit", deltas.version_name(v)))["tables"]) for v, kind in published
+        if kind == deltas.DELTA]
     none, publishing = (statistics.median(timed[k]) for k in ("none", "publishing"))
     print(f"\n## Training: fit of {steps} steps, publishing every {every:g} s against none "
           f"(median of {repeats})\n")
@@ -163,7 +171,8 @@ def main(argv=None):
     print(f"| no callback | {none:.1f} |")
     print(f"| PublishDeltas(every_seconds={every:g}) | {publishing:.1f} |")
     print(f"\nsteps/s publishing / none: {publishing / none:.3f} "
-          f"({versions} versions published in the timed runs)")
+          f"({versions} versions published in the timed runs, a median "
+          f"{statistics.median(changed or [0]):,.0f} rows each)")
 
 
 if __name__ == "__main__":
