@@ -359,15 +359,6 @@ def constant_fn(input_context):
     return tf.data.Dataset.from_tensors((ids, tf.ones((BATCH, 1)))).repeat()
 
 
-class TestBatchLogs(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.logs = []
-
-    def on_test_batch_end(self, batch, logs=None):
-        self.logs.append(dict(logs))
-
-
 @pytest.mark.parametrize("spe", [1, 4])
 def test_an_evaluation_of_known_steps_reads_the_metrics_once_not_each_result(
         strategy, results_read, spe):
@@ -379,7 +370,8 @@ def test_an_evaluation_of_known_steps_reads_the_metrics_once_not_each_result(
     data = kerasps.DatasetCreator(constant_fn)
     quiet = model.evaluate(data, steps=4 * spe, verbose=0, return_dict=True)
     assert results_read == []
-    watcher = TestBatchLogs()
+    watcher = BatchLogs()
+    watcher.on_test_batch_end = watcher.on_train_batch_end  # a test batch's logs
     watched = model.evaluate(data, steps=4 * spe, verbose=0, callbacks=[watcher],
                              return_dict=True)
     assert len(results_read) == 4 and len(watcher.logs) == 4  # one per function
