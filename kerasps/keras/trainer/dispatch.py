@@ -140,30 +140,28 @@ class Window:
                 continue  # another function's error; anything else (a signal) goes up
 
 
-def reads_batch_logs(callbacks) -> bool:
-    """True if a callback may read the logs of `on_train_batch_end`.
+# The hooks that receive a batch's logs, by phase.
+_BATCH_LOG_HOOKS = {"train": ("on_train_batch_end", "on_batch_end"),
+                    "test": ("on_test_batch_end",)}
+
+
+def reads_batch_logs(callbacks, phase="train") -> bool:
+    """True if a callback may read the logs of a `phase` batch (`"train"`: of
+    `on_train_batch_end`, `"test"`: of `on_test_batch_end`).
 
     Keras marks the no-op hooks of `keras.callbacks.Callback` with
     `_is_default`; a callback overriding `on_train_batch_end` or its alias
-    `on_batch_end` (the progress bar does) reads them. A `CallbackList`
-    subclass may do anything, so it counts as reading them.
+    `on_batch_end` (the progress bar does), or `on_test_batch_end`, reads them,
+    except the progress bar of a `fit` for test batches (Keras' shows the validation's
+    logs at the epoch's end only). A `CallbackList` subclass may do anything, so it
+    counts as reading them.
     """
     if type(callbacks) is not _keras.CallbackList:
         return True
     return any(not getattr(getattr(callback, hook), "_is_default", False)
                for callback in callbacks.callbacks
-               for hook in ("on_train_batch_end", "on_batch_end"))
-
-
-def reads_test_batch_logs(callbacks) -> bool:
-    """True if a callback may read the logs of `on_test_batch_end` (as
-    `reads_batch_logs`); the progress bar of a `fit` does not (Keras' shows the
-    validation's logs at the epoch's end only)."""
-    if type(callbacks) is not _keras.CallbackList:
-        return True
-    return any(not _keras.is_progress_bar_of_a_fit(callback)
-               and not getattr(callback.on_test_batch_end, "_is_default", False)
-               for callback in callbacks.callbacks)
+               if not (phase == "test" and _keras.is_progress_bar_of_a_fit(callback))
+               for hook in _BATCH_LOG_HOOKS[phase])
 
 
 def to_logs(values):

@@ -9,7 +9,7 @@ import tensorflow as tf
 from kerasps.backend import _keras, _tf
 from kerasps.keras.trainer import recovery
 from kerasps.keras.trainer.checks import build, check_model
-from kerasps.keras.trainer.dispatch import Window, reads_test_batch_logs, to_logs
+from kerasps.keras.trainer.dispatch import Window, reads_batch_logs, to_logs
 from kerasps.keras.trainer.inputs import make_source, per_worker_dataset, require_finite
 from kerasps.keras.trainer.steps import make_test_function, unpack_test_result
 from kerasps.policy._validation import positive_int
@@ -79,7 +79,7 @@ class Evaluation:
         spe = model.steps_per_execution
         # Results only where they are needed: the steps each function ran (an evaluation
         # to the data's end), or a callback reading each batch's logs.
-        results = self.steps is None or reads_test_batch_logs(callbacks)
+        results = self.steps is None or reads_batch_logs(callbacks, "test")
         test_function = make_test_function(model, results)
         iterator = iter(self.per_worker)
         if coordinator.tracing:
@@ -94,18 +94,17 @@ class Evaluation:
             nonlocal done, logs
             for requested, result in results:
                 if result is None:  # a function without results ran its steps
-                    callbacks.on_test_batch_begin(done)
-                    done += requested
-                    callbacks.on_test_batch_end(done - 1, {})
-                    continue
-                count, worker, result = unpack_test_result(model, result)
-                if count < requested:  # this worker's dataset has run out
-                    exhausted.add(worker)
+                    count, batch_logs = requested, {}
+                else:
+                    count, worker, result = unpack_test_result(model, result)
+                    if count < requested:  # this worker's dataset has run out
+                        exhausted.add(worker)
+                    if count:
+                        logs = batch_logs = to_logs(result)
                 if count:
                     callbacks.on_test_batch_begin(done)
                     done += count
-                    logs = to_logs(result)
-                    callbacks.on_test_batch_end(done - 1, logs)
+                    callbacks.on_test_batch_end(done - 1, batch_logs)
 
         try:
             while not model.stop_evaluating:
