@@ -381,7 +381,6 @@ def test_a_consumer_process_killed_mid_apply_leaves_the_versions_whole(published
         import os, signal, sys
         import kerasps
         from kerasps.keras import serving
-from kerasps.keras.trainer import dispatch
         apply = serving._Dynamic.apply
         def killed(self, *args):
             apply(self, *args)
