@@ -13,7 +13,8 @@ Sampled every `--interval` seconds, per task (chief, workers, ps tasks; each res
 process is followed): resident memory (`VmRSS`), threads and open file descriptors, from
 `/proc`. The chief reports, at the same pace, the steps applied (`optimizer.iterations`)
 and what the ps tasks hold: the placement report's variables per ps task and the live
-`tf.Variable`s of the chief that sit on each ps task (a ps task's own resource manager
+`tf.Variable`s the chief made on each ps task (tracked by a variable creator as they are
+made, never by scanning `gc.get_objects()`; a ps task's own resource manager
 cannot be listed from Python; a variable the chief lost track of shows as the ps task's
 resident memory).
 
@@ -66,7 +67,7 @@ UNIT = {"rss_mib": 1.0, "threads": 1.0, "fds": 1.0, "report_variables": 1.0,
         "live_variables": 1.0}
 
 CHIEF = """
-import gc, json, sys, threading, time
+import gc, json, sys, threading, time, weakref
 
 import kerasps
 import keras, numpy as np, tensorflow as tf
@@ -75,9 +76,24 @@ status_every, deadline, vocab, steps, save_freq, workdir = sys.argv[1:]
 status_every, deadline = float(status_every), float(deadline)
 vocab, steps, save_freq = int(vocab), int(steps), int(save_freq)
 
+# The variables on the ps tasks, counted as they are made: a watcher thread that scans
+# `gc.get_objects()` crashes the job (CPython 3.11 hands out tuples still being built,
+# and the coordinator's thread building one raises SystemError: tupleobject.c).
+made, made_lock = [], threading.Lock()  # weak references (a tf.Variable is unhashable)
+
+
+def track(next_creator, **kwargs):
+    variable = next_creator(**kwargs)
+    with made_lock:
+        made.append(weakref.ref(variable))
+    return variable
+
+
 strategy = kerasps.ParameterServerStrategy(
     kerasps.cluster.resolve(num_workers=2, num_ps=2),
     variable_partitioner=kerasps.partitioners.FixedShardsPartitioner(2))
+tracking = tf.variable_creator_scope(track)  # held: a dropped scope leaves when collected
+tracking.__enter__()  # for this thread's variables, to the end of the run
 with strategy.scope():
     ids = keras.Input((4,), dtype="int32")
     x = keras.layers.Embedding(vocab, 16)(ids)
@@ -99,12 +115,14 @@ def ps_task(device):
 
 
 def status():
-    gc.collect()
-    live = [set() for _ in range(strategy.num_ps)]  # a variable's wrappers share its handle
-    for obj in gc.get_objects():
-        if isinstance(obj, tf.Variable) and "/job:ps/" in getattr(obj, "device", ""):
-            live[ps_task(obj.device)].add(id(obj.handle))
-    live = [len(handles) for handles in live]
+    gc.collect()  # safe from a thread, unlike gc.get_objects()
+    with made_lock:
+        made[:] = [ref for ref in made if ref() is not None]
+        variables = [ref() for ref in made]
+    live = [0] * strategy.num_ps
+    for variable in variables:
+        if variable is not None and "/job:ps/" in variable.device:
+            live[ps_task(variable.device)] += 1
     report = [0] * strategy.num_ps
     for record in strategy.placement_report():
         report[record.ps_task] += 1
