@@ -17,7 +17,7 @@ workers and ps tasks in one process, so its CPU time and RSS are the job's):
 * ``speed``: the same model with dim 16 and Dense(32) on that stream, Adagrad,
   steady state after a warm-up `fit` that fills the table: ``dynamic`` against
   ``hashed`` (a sharded fixed `Embedding(C)`), steps/s, CPU ms per step, rows
-  admitted per step and the extra CPU per admitted id. Target: >= 0.9x (issue 39).
+  admitted per step and the extra CPU per admitted id. Target: >= 0.9x.
 * ``memory``: `DynamicEmbedding(32, capacity=1e6)` with Adagrad, fed batches
   of which half are ids never seen before, until `--memory-ids` distinct ids
   went through it (1e7 by default); RSS sampled as it runs. Targets: flat
@@ -53,7 +53,7 @@ TABLES = ("dynamic", "hashed", "unbounded")
 NUM_WORKERS = 2
 NUM_PS = 2
 MEMORY_BASELINE_ROWS = 1024
-SPEED_TARGET = 0.9  # dynamic / hashed steps/s, new ids arriving (issue 39)
+SPEED_TARGET = 0.9  # dynamic / hashed steps/s, new ids arriving
 # --quick: every part, at sizes that take seconds (the same code paths).
 QUICK = {"rows": [1e3], "examples": 1e4, "distinct": 4e3, "window": 1.5e3, "chunk": 2048,
          "tables": ["dynamic", "hashed"], "batch": 64, "speed_rows": 1e3, "steps": 20,

@@ -1,4 +1,4 @@
-"""Freshness against quality (issue 41): how much a server loses by seeing training late.
+"""Freshness against quality: how much a server loses by seeing training late.
 
 A click stream whose vocabulary keeps moving (`simulator.idstream.ZipfStream`: a window of
 live ids slides over a growing range, so new ids keep arriving and old ones stop being

@@ -1,4 +1,4 @@
-"""Online training (issue 41): the size and cost of publishing the rows that changed.
+"""Online training: the size and cost of publishing the rows that changed.
 
 An in-process cluster of 2 workers and 2 ps tasks; a model Embedding(rows, 16) (2
 shards, one per ps task) -> Flatten -> Dense(1), SGD (row updates). Three parts:
@@ -16,7 +16,7 @@ shards, one per ps task) -> Flatten -> Dense(1), SGD (row updates). Three parts:
     python benchmarks/online.py                 # 1e6 rows (~5 min on 2 cores)
     python benchmarks/online.py --quick         # smoke run: 1e5 rows, 1 s publishes
 
-Targets (issue 41): a delta within 1.05x of ids + rows plus a fixed header; publish
+Targets: a delta within 1.05x of ids + rows plus a fixed header; publish
 and apply of 1% of 1e6 rows under 2 s each; steps/s with publishing every 30 s at
 least 0.95x of none.
 """

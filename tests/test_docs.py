@@ -268,3 +268,22 @@ def test_the_sync_guides_options_table_names_every_mode_and_where_backups_apply(
     assert not [m.value for m in Mode if f'`"{m.value}"`' not in rows["mode"]]
     mode_column = rows["backup_workers"].split("|")[2]
     assert not [m.value for m in Mode if m is not Mode.ASYNC and m.value not in mode_column]
+
+
+# Another project's issue, named with its project ("TensorFlow's ... its issue 182").
+_THEIR_ISSUE = re.compile(r"(its|CPython|TensorFlow's|Keras'|Ray's) issues? \d+")
+
+
+def test_user_facing_text_speaks_of_the_product_not_of_its_tracker():
+    # A benchmark's `--help` said "(issue 33)": the tracker is not the user's.
+    sources = [README, *(ROOT / "docs").rglob("*.md"), *(ROOT / "benchmarks").glob("*.py"),
+               ROOT / "benchmarks" / "README.md", *(ROOT / "tutorials").glob("*.ipynb"),
+               *(ROOT / "kerasps").rglob("*.py"), *(ROOT / "simulator").rglob("*.py")]
+    found = []
+    for path in sources:
+        text = path.read_text()
+        for match in re.finditer(r"\bissues? \d+", text):
+            said = text[max(0, match.start() - 16):match.end()]
+            if not _THEIR_ISSUE.search(said):
+                found.append(f"{path.relative_to(ROOT)}: {said!r}")
+    assert not found, found
