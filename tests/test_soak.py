@@ -24,7 +24,7 @@ def soak_module():
 
 @pytest.mark.slow
 def test_the_soaks_watcher_reads_the_ps_variables_beside_fit_without_breaking_it(tmp_path):
-    # The 70-minute soak's chief died 3 times of `SystemError: Objects/tupleobject.c:927`
+    # A 70-minute soak's chief died 3 times of `SystemError: Objects/tupleobject.c:927`
     # raised in the coordinator's threads: its watcher scanned `gc.get_objects()`, which
     # hands out tuples another thread is still building (CPython 3.11). Here the watcher
     # reads every 10 ms for 50 s of fits with validation passes; the scan failed such a
