@@ -11,7 +11,8 @@ shards, one per ps task) -> Flatten -> Dense(1), SGD (row updates). Three parts:
   (its model built from the published config, no cluster) applying it; medians of
   `--repeats`;
 * **training**: `fit` steps/s with `PublishDeltas(every_seconds=30)` against no
-  callback (same model, warmed up; medians of `--repeats` alternating runs).
+  callback (same model, warmed up; medians of `--repeats` alternating runs), and the
+  time those fits spent in the publishes (the training thread waits for them).
 
     python benchmarks/online.py                 # 1e6 rows (~5 min on 2 cores)
     python benchmarks/online.py --quick         # smoke run: 1e5 rows, 1 s publishes
@@ -150,6 +151,20 @@ def main(argv=None):
     model.fit(data, epochs=1, steps_per_epoch=steps_probe, verbose=0,
               callbacks=[trainer_publisher])  # warm-up: traced with the tracking
     versions = len(trainer_publisher.published)
+    # The time `fit` spends in the publisher's publishes (the training thread waits for
+    # them): a direct measure, where the steps/s ratio carries the machine's noise.
+    publishing_s = []
+    publish = trainer_publisher.publish
+
+    def timed_publish(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return publish(*args, **kwargs)
+        finally:
+            publishing_s.append(time.perf_counter() - started)
+
+    trainer_publisher.publish = timed_publish
+    fit_s = []
     # In turns, each repeat in the other order (ABBA): a drift of the machine over the
     # run (steps/s fell 185 -> 132 over 7 identical fits in one run here) weighs on both.
     for repeat in range(repeats):
@@ -158,6 +173,8 @@ def main(argv=None):
             started = time.perf_counter()
             model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=callbacks)
             timed[name].append(steps / (time.perf_counter() - started))
+            if name == "publishing":
+                fit_s.append(time.perf_counter() - started)
     published = trainer_publisher.published[versions:]
     versions = len(published)
     changed = [sum(t["count"] for t in deltas.read_manifest(os.path.join(
@@ -173,6 +190,9 @@ def main(argv=None):
     print(f"\nsteps/s publishing / none: {publishing / none:.3f} "
           f"({versions} versions published in the timed runs, a median "
           f"{statistics.median(changed or [0]):,.0f} rows each)")
+    print(f"time the publishing fits spent in publishes: {sum(publishing_s):.2f} s of "
+          f"{sum(fit_s):.1f} s ({sum(publishing_s) / sum(fit_s):.1%}; each "
+          f"{min(publishing_s):.2f}-{max(publishing_s):.2f} s)")
 
 
 if __name__ == "__main__":
