@@ -27,6 +27,12 @@ def launch(tmp_path, chief_code: str, *options: str, args=(), env=None) -> Runni
                        *args], cwd=tmp_path, env=env)
 
 
+def default_sigint():
+    """A `preexec_fn`: SIGINT at its default, so that the child's Python turns it into
+    `KeyboardInterrupt` however the tests were started."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class RunningJob:
     """A command (a launcher, or a chief) in a subprocess, its output read line by line.
 
@@ -35,6 +41,8 @@ class RunningJob:
     """
 
     def __init__(self, command, cwd=None, env=None):
+        # (SIGINT at its default in the job, as a terminal's Ctrl-C finds it: a shell's
+        # background job, `pytest &`, starts with SIGINT ignored and its children inherit it.)
         self.lines: list[str] = []
         self.times: list[float] = []
         self.pids: dict[str, list[int]] = {}  # task -> pids, oldest first
@@ -42,7 +50,8 @@ class RunningJob:
         environ = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
         self.process = subprocess.Popen(  # `env` maps a variable to None to unset it
             command, cwd=cwd, env={k: v for k, v in environ.items() if v is not None},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            preexec_fn=default_sigint)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 

@@ -21,6 +21,8 @@ import types
 
 import pytest
 
+from tests.launched import default_sigint
+
 # Ray would serve its nodes on the machine's interface address and turn 127.0.0.1 given to
 # `ray.init` into that address; with its multi-node support off, it stays on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -303,7 +305,8 @@ def _start(program: str, *args, env=None) -> subprocess.Popen:
     output = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would stop the program
     process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(program), *args],
                                stdout=output, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                               env={**(os.environ if env is None else env), "PYTHONPATH": ROOT})
+                               env={**(os.environ if env is None else env), "PYTHONPATH": ROOT},
+                               preexec_fn=default_sigint)
     process.output = output
     return process
 
