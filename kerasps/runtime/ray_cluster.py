@@ -279,9 +279,10 @@ class RayClusterResolver(tf.distribute.cluster_resolver.SimpleClusterResolver):
                 self.tasks = tuple(
                     dataclasses.replace(t, address=info["address"], node_id=info["node_id"])
                     if t is task else t for t in self.tasks)
-            _log.warning("%s restarted on another Ray node (%s): it serves at %s now (was %s "
-                         "on node %s).", task.name, info["node_id"][:8], info["address"],
-                         task.address, task.node_id[:8])
+            where = "on another Ray node" if info["node_id"] != task.node_id else "on its node"
+            _log.warning("%s restarted %s (%s): it serves at %s now (was %s on node %s).",
+                         task.name, where, info["node_id"][:8], info["address"], task.address,
+                         task.node_id[:8])
         return True
 
     def _fail(self, reason: str):
@@ -513,7 +514,7 @@ def cluster(num_workers: int = 2, num_ps: int = 1, *, worker_resources: dict | N
                 name=None).remote(spec, kind, index, resources.get("CPU", 0),
                                   hide_gpus=not resources.get("GPU", 0), announce=announce,
                                   node_id=places[i]["node_id"])
-        _wait_started(ray, actors, start_timeout_s)
+        started_at = _wait_started(ray, actors, start_timeout_s)
     except BaseException:
         _remove(ray, list(actors.values()), None if own_group else group, 30.0)
         if started:
@@ -521,6 +522,9 @@ def cluster(num_workers: int = 2, num_ps: int = 1, *, worker_resources: dict | N
         raise
     servers._enable_fail_fast()
     servers._enable_keepalive()
+    # A task whose picked port another process took first serves at another one.
+    for (kind, index), info in started_at.items():
+        spec[kind][index] = info["address"]
     tasks = [RayTask(kind, index, spec[kind][index], places[i]["node_id"], i)
              for i, (kind, index, _) in enumerate(kinds)]
     with _STARTED_LOCK:
@@ -653,13 +657,15 @@ def _pick_addresses(ray, in_bundle, count, timeout_s) -> list:
     return places
 
 
-def _wait_started(ray, actors, timeout_s):
-    """Waits for every actor's server to start, or raises naming the tasks that did not."""
+def _wait_started(ray, actors, timeout_s) -> dict:
+    """Waits for every actor's server to start, or raises naming the tasks that did not.
+    Returns each task's `TaskServer.info` (where it serves), by `(task_type, index)`."""
     refs = {actor.info.remote(): key for key, actor in actors.items()}
     ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    infos = {}
     for ref in ready:
         try:
-            ray.get(ref)
+            infos[refs[ref]] = ray.get(ref)
         except Exception as e:
             raise RuntimeError(f"The server of {refs[ref][0]} {refs[ref][1]} did not start on "
                                f"its Ray actor: {e}") from e
@@ -667,3 +673,4 @@ def _wait_started(ray, actors, timeout_s):
         names = ", ".join(f"{kind} {index}" for kind, index in sorted(refs[r] for r in pending))
         raise RuntimeError(f"The servers of {names} did not start within "
                            f"start_timeout_s={timeout_s} on their Ray actors.")
+    return infos

@@ -7,7 +7,10 @@ with the same arguments, when it restarts the actor after its process died: on t
 node, the task comes back on its address, where the coordinator finds it again, as a task
 that `kerasps launch` restarted. On another node (its node was lost, and Ray placed its
 bundle again elsewhere), it serves on a free port of that node: a new address, which the
-driver asks for (`TaskServer.address`) and reconnects to.
+driver asks for (`TaskServer.address`) and reconnects to. A port another process took
+between the pick and the server's start (an outgoing connection may be given it: the kernel
+hands out the ports it just freed) is given up for another free port of the node, a new
+address the driver learns the same way.
 
 Importing this module imports neither Ray nor TensorFlow: an actor hides the GPUs from
 TensorFlow (a ps task) before TensorFlow is imported in its process.
@@ -18,6 +21,9 @@ from __future__ import annotations
 import os
 
 __all__ = ["TaskServer", "pick_address", "threads_for"]
+
+# Ports tried, the first included, before a task whose ports are all taken fails.
+PORT_TRIES = 5
 
 
 def pick_address() -> dict:
@@ -67,6 +73,30 @@ def _name_output(name: str):
         print(f"{prefix}{name}", file=stream, flush=True)
 
 
+def _start_server(tf, cluster: dict, task_type: str, index: int, config):
+    """Starts the task's `tf.distribute.Server` at its address in `cluster`, or, when another
+    process holds that port, at another free port of the same host (up to `PORT_TRIES`
+    ports). Returns the server and the address it serves at."""
+    import portpicker
+
+    cluster = {kind: list(addresses) for kind, addresses in cluster.items()}
+    host = cluster[task_type][index].rpartition(":")[0]
+    for attempt in range(PORT_TRIES):
+        try:
+            server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=task_type,
+                                          task_index=index, config=config, protocol="grpc",
+                                          start=True)
+            return server, cluster[task_type][index]
+        except tf.errors.UnknownError as e:  # TensorFlow's words for a port it cannot bind
+            if "Could not start gRPC server" not in str(e) or attempt == PORT_TRIES - 1:
+                raise
+        taken = cluster[task_type][index]
+        cluster[task_type][index] = f"{host}:{portpicker.pick_unused_port()}"
+        print(f"kerasps: {task_type} {index} could not serve at {taken} (another process "
+              f"took the port); serving at {cluster[task_type][index]} instead.", flush=True)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 class TaskServer:
     """A worker or ps task: its server runs from construction to the end of the process.
 
@@ -80,7 +110,12 @@ class TaskServer:
         announce: print where the task serves once its server started, as `kerasps serve`
             does.
         node_id: the Ray node the driver picked its address on; restarted on another node,
-            the task serves at a new address there (`None`: always at its address).
+            the task serves at a new address there (`None`: at its address).
+
+    Attributes:
+        address: `host:port` the task serves at: its address in `cluster`, unless it moved
+            to another node or another process took that port first (the driver reads it
+            with `info`).
 
     Its `repr` is the task's name (`worker 0`): Ray prefixes the lines it forwards from the
     actor to the driver with it (`(worker 0 pid=4242) ...`).
@@ -91,7 +126,6 @@ class TaskServer:
         self.task_type, self.index = task_type, index
         if node_id is not None:
             cluster = _served_here(cluster, task_type, index, node_id)
-        self.address = cluster[task_type][index]
         _name_output(repr(self))
         if hide_gpus:
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -107,9 +141,7 @@ class TaskServer:
         config.intra_op_parallelism_threads = intra
         config.inter_op_parallelism_threads = inter
         self.threads = (intra, inter)
-        self.server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=task_type,
-                                           task_index=index, config=config, protocol="grpc",
-                                           start=True)
+        self.server, self.address = _start_server(tf, cluster, task_type, index, config)
         self.gpus = len(tf.config.list_physical_devices("GPU"))
         if announce:
             print(f"kerasps serve: {task_type} {index} serving at {self.address}", flush=True)
