@@ -213,6 +213,21 @@ def test_only_the_backend_touches_private_apis():
             assert [n for n in imported if n.startswith("tensorflow.python")] == [], name
 
 
+def test_only_the_backend_reads_an_optimizers_private_attributes():
+    """Keras' optimizers' private attributes (`_trainable_variables`, `_use_weight_decay`)
+    change with Keras as its private modules do: `kerasps.backend` reads them for the rest."""
+    read = []
+    for name, path in modules(ROOT, "kerasps").items():
+        if name.startswith("kerasps.backend."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__") and isinstance(node.value, ast.Name)
+                    and node.value.id.endswith("optimizer")):
+                read.append(f"{name}:{node.lineno} {node.value.id}.{node.attr}")
+    assert read == []
+
+
 def test_the_checks_catch_a_hidden_circle_and_an_upward_import(tmp_path):
     # The shape before the layer folders: `_keras` imported the trainer inside a
     # function, the trainer imported `_keras` at module level.

@@ -1015,13 +1015,23 @@ def _row_updated(variable, mode) -> bool:
     return hasattr(variable, "_kerasps_container") or mode == _handlers.sparse.ROWS
 
 
+def variables_updated_by(optimizer) -> list:
+    """The model variables `optimizer` was built for, in its order (Keras' private
+    `_trainable_variables`)."""
+    return list(optimizer._trainable_variables)
+
+
+def decays(optimizer, variable) -> bool:
+    """Whether `optimizer` applies weight decay to the Keras `variable` (Keras' private
+    `_use_weight_decay`: its `exclude_from_weight_decay` lists)."""
+    return optimizer.weight_decay is not None and optimizer._use_weight_decay(variable)
+
+
 def _lazily_decayed(optimizer, variable) -> bool:
     """Lazy and rows modes decay a table's shard with its update: its touched rows only."""
     mode = sparse_mode(optimizer)
     return (mode in (_handlers.sparse.LAZY, _handlers.sparse.ROWS)
-            and optimizer.weight_decay is not None
-            and _row_updated(variable, mode)
-            and optimizer._use_weight_decay(variable))
+            and _row_updated(variable, mode) and decays(optimizer, variable))
 
 
 def _update_variable(variable, optimizer, mode, received, unpack):

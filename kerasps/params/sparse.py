@@ -226,7 +226,7 @@ def flag_keras_update(optimizer, gradient, variable, keras_variable):
     row_local = isinstance(gradient, tf.IndexedSlices) and (
         rule is keras.optimizers.Adagrad.update_step
         or (rule is keras.optimizers.SGD.update_step and optimizer.momentum == 0)) and not (
-        optimizer.weight_decay is not None and optimizer._use_weight_decay(keras_variable))
+        _keras.decays(optimizer, keras_variable))
     written = [changes_lib.written(variable)]
     if row_local:
         return changes.mark(gradient.indices, after=written)

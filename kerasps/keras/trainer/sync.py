@@ -184,7 +184,7 @@ def sync_functions(strategy, optimizer, step, num_slots, needed, counter=None):
 
             def write(grads, trainable_variables=None):
                 grads = list(grads)
-                variables = list(trainable_variables or optimizer._trainable_variables)
+                variables = list(trainable_variables or _keras.variables_updated_by(optimizer))
                 now = [_on_arrival(mode, g, v) if g is not None else False
                        for g, v in zip(grads, variables)]
                 if any(now):  # hybrid: the row updates, applied as they are
