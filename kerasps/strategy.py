@@ -282,6 +282,7 @@ class ParameterServerStrategy(_tf.ParameterServerStrategyV2):
         _tf.install_context_bound_resource_deleters()
         _tf.restart_input_of_retried_functions()
         _tf.install_function_removals_per_connection()
+        _tf.install_coordinator_stop_off_the_collecting_thread()  # Keras' too, at `compile`
         _tf.follow_resolver(cluster_resolver)  # where tasks move (Ray), connect where they are
         _tf.report_worker_failures()
         _tf.keep_executor_tracebacks_in_detail()

@@ -264,6 +264,36 @@ def test_liveness_polls_answer_while_a_reconnection_waits_for_a_worker():
     run_chief(POLL_DURING_A_BLOCKED_RECONNECT, timeout=300)
 
 
+def test_a_coordinator_collected_in_its_worker_thread_holding_the_queue_lock_stops(
+        make_strategy):
+    """A default run hung for good in a strategy's constructor: a `ClusterCoordinator`,
+    collected as a cycle inside its own worker thread while `_CoordinatedClosureQueue.get`
+    held the queue's lock, ran TensorFlow's `__del__` there, whose `stop` waited for that
+    lock; so did `stop_every_coordinator` in the main thread. The collection is played here
+    by calling `__del__` with the lock held."""
+    import threading
+    import time
+
+    from kerasps.backend import _tf
+
+    strategy = make_strategy()
+    coordinator = _tf.running_coordinator(strategy)
+    queue = coordinator._cluster.closure_queue
+    returned = threading.Event()
+
+    def worker_thread_collecting():
+        with queue._queue_lock:  # as `get` holds it when an allocation starts a collection
+            coordinator.__del__()
+        returned.set()
+
+    threading.Thread(target=worker_thread_collecting, daemon=True).start()
+    assert returned.wait(30), "__del__ waited for the queue lock its own thread held"
+    deadline = time.monotonic() + 30
+    while queue._should_process_closures:  # stopped once the lock is free
+        assert time.monotonic() < deadline, "the collected coordinator's cluster never stopped"
+        time.sleep(0.01)
+
+
 @pytest.mark.stress
 def test_fit_and_evaluate_with_validation_and_the_pool_watcher_do_not_crash_the_chief():
     """The reported crash: `fit` with `validation_data` and `steps_per_execution`

@@ -280,6 +280,31 @@ def _notify_published():
         _published.notify_all()
 
 
+def install_coordinator_stop_off_the_collecting_thread():
+    """Makes a collected `ClusterCoordinator` stop its cluster on a thread of its own
+    (idempotent).
+
+    TensorFlow's `ClusterCoordinator.__del__` stops the cluster where the garbage collector
+    runs it. A coordinator is collected as a cycle, so the collector can run it in one of
+    that coordinator's own worker threads, while `_CoordinatedClosureQueue.get` holds the
+    queue's lock (an allocation there started a collection); `stop` then waits for that
+    lock in the thread that holds it, for good, and so does every later `stop` of that
+    queue (the next strategy's `stop_every_coordinator`). Seen as a test session hung in a
+    strategy's constructor."""
+    cls = cluster_coordinator.ClusterCoordinator
+    if getattr(cls.__del__, "_kerasps", False):
+        return
+
+    def __del__(coordinator):  # noqa: N807 - the method it replaces
+        cluster = getattr(coordinator, "_cluster", None)
+        if cluster is not None:
+            threading.Thread(target=cluster.stop, name="kerasps-collected-coordinator-stop",
+                             daemon=True).start()
+
+    __del__._kerasps = True
+    cls.__del__ = __del__
+
+
 _results_installed = False
 
 
