@@ -297,9 +297,13 @@ def install_coordinator_stop_off_the_collecting_thread():
 
     def __del__(coordinator):  # noqa: N807 - the method it replaces
         cluster = getattr(coordinator, "_cluster", None)
-        if cluster is not None:
+        if cluster is None:
+            return
+        try:
             threading.Thread(target=cluster.stop, name="kerasps-collected-coordinator-stop",
                              daemon=True).start()
+        except RuntimeError:  # the interpreter is exiting: no new thread, no worker left
+            cluster.stop()
 
     __del__._kerasps = True
     cls.__del__ = __del__
