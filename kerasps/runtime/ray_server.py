@@ -43,8 +43,13 @@ def _served_here(cluster: dict, task_type: str, index: int, node_id: str) -> dic
     if ray.get_runtime_context().get_node_id() == node_id:
         return cluster
     here = pick_address()
+    return _moved(cluster, task_type, index, f"{here['ip']}:{here['port']}")
+
+
+def _moved(cluster: dict, task_type: str, index: int, address: str) -> dict:
+    """A copy of `cluster` with the task at `address`."""
     moved = {kind: list(addresses) for kind, addresses in cluster.items()}
-    moved[task_type][index] = f"{here['ip']}:{here['port']}"
+    moved[task_type][index] = address
     return moved
 
 
@@ -79,22 +84,20 @@ def _start_server(tf, cluster: dict, task_type: str, index: int, config):
     ports). Returns the server and the address it serves at."""
     import portpicker
 
-    cluster = {kind: list(addresses) for kind, addresses in cluster.items()}
-    host = cluster[task_type][index].rpartition(":")[0]
-    for attempt in range(PORT_TRIES):
+    for tries in range(1, PORT_TRIES + 1):
+        address = cluster[task_type][index]
         try:
             server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=task_type,
                                           task_index=index, config=config, protocol="grpc",
                                           start=True)
-            return server, cluster[task_type][index]
+            return server, address
         except tf.errors.UnknownError as e:  # TensorFlow's words for a port it cannot bind
-            if "Could not start gRPC server" not in str(e) or attempt == PORT_TRIES - 1:
+            if "Could not start gRPC server" not in str(e) or tries == PORT_TRIES:
                 raise
-        taken = cluster[task_type][index]
-        cluster[task_type][index] = f"{host}:{portpicker.pick_unused_port()}"
-        print(f"kerasps: {task_type} {index} could not serve at {taken} (another process "
+        host = address.rpartition(":")[0]
+        cluster = _moved(cluster, task_type, index, f"{host}:{portpicker.pick_unused_port()}")
+        print(f"kerasps: {task_type} {index} could not serve at {address} (another process "
               f"took the port); serving at {cluster[task_type][index]} instead.", flush=True)
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 class TaskServer:
