@@ -294,6 +294,27 @@ def test_a_coordinator_collected_in_its_worker_thread_holding_the_queue_lock_sto
         time.sleep(0.01)
 
 
+COORDINATOR_COLLECTED_AT_EXIT = """
+import gc
+import kerasps
+from kerasps.backend import _tf
+
+strategy = kerasps.ParameterServerStrategy(kerasps.cluster.in_process(num_workers=1, num_ps=1))
+gc.disable()  # the cycle is left to the collection the interpreter makes as it exits
+cycle = [_tf.running_coordinator(strategy)]
+cycle.append(cycle)
+del cycle
+print("DONE True")
+"""
+
+
+def test_a_coordinator_collected_as_the_interpreter_exits_lets_the_chief_exit():
+    """CI's default run failed on a chief that never exited: a coordinator collected while
+    the interpreter finalised started its stop thread, which never runs then, and
+    `Thread.start` waited for it for good (3 runs in 3 here)."""
+    run_chief(COORDINATOR_COLLECTED_AT_EXIT, timeout=120)
+
+
 @pytest.mark.stress
 def test_fit_and_evaluate_with_validation_and_the_pool_watcher_do_not_crash_the_chief():
     """The reported crash: `fit` with `validation_data` and `steps_per_execution`

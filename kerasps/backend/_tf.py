@@ -7,6 +7,7 @@ import contextlib
 import gc
 import logging
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -299,10 +300,13 @@ def install_coordinator_stop_off_the_collecting_thread():
         cluster = getattr(coordinator, "_cluster", None)
         if cluster is None:
             return
+        if sys.is_finalizing():  # a thread started now never runs, and `start` waits for it
+            cluster.stop()  # in place, as TensorFlow's own `__del__`
+            return
         try:
             threading.Thread(target=cluster.stop, name="kerasps-collected-coordinator-stop",
                              daemon=True).start()
-        except RuntimeError:  # the interpreter is exiting: no new thread, no worker left
+        except RuntimeError:  # no thread can start (the process has too many)
             cluster.stop()
 
     __del__._kerasps = True
