@@ -50,9 +50,11 @@ def tutorials(session):
 
 @nox.session(python=PYTHON)
 def slow(session):
-    """The tests marked `slow` (real-process clusters, failures, the tutorials); CI runs them."""
+    """The tests marked `slow` (real-process clusters, failures, the tutorials), a test file
+    per process on two processes, as CI runs them."""
     session.install(".[test]")
-    session.run("python", "-m", "pytest", "-m", "slow", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "slow", "-n", "2", "--dist", "loadfile",
+                *session.posargs)
 
 
 @nox.session(python=PYTHON)

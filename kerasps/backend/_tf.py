@@ -291,7 +291,7 @@ def install_coordinator_stop_off_the_collecting_thread():
     queue's lock (an allocation there started a collection); `stop` then waits for that
     lock in the thread that holds it, for good, and so does every later `stop` of that
     queue (the next strategy's `stop_every_coordinator`). Seen as a test session hung in a
-    strategy's constructor."""
+    strategy's constructor. One collected as the interpreter finalises stops nothing."""
     cls = cluster_coordinator.ClusterCoordinator
     if getattr(cls.__del__, "_kerasps", False):
         return
@@ -300,8 +300,12 @@ def install_coordinator_stop_off_the_collecting_thread():
         cluster = getattr(coordinator, "_cluster", None)
         if cluster is None:
             return
-        if sys.is_finalizing():  # a thread started now never runs, and `start` waits for it
-            cluster.stop()  # in place, as TensorFlow's own `__del__`
+        if sys.is_finalizing():
+            # The process is ending: its threads end with it. A thread started now never
+            # runs (`start` waited for it for good), and a stop here would wake threads
+            # blocked in TensorFlow into an interpreter that ends each with `pthread_exit`
+            # through TensorFlow's C++ frames: SIGABRT, "FATAL: exception not rethrown"
+            # (pytorch/pytorch#38228 is the same with pybind11).
             return
         try:
             threading.Thread(target=cluster.stop, name="kerasps-collected-coordinator-stop",
