@@ -50,10 +50,12 @@ def tutorials(session):
 
 @nox.session(python=PYTHON)
 def slow(session):
-    """The tests marked `slow` (real-process clusters, failures, the tutorials), a test file
-    per process on two processes, as CI runs them."""
+    """The tests marked `slow` (real-process clusters, failures, the tutorials), as CI runs
+    them: a test file per process on two processes, the network bench's link cuts alone."""
     session.install(".[test]")
     session.run("python", "-m", "pytest", "-m", "slow", "-n", "2", "--dist", "loadfile",
+                "--ignore", "tests/test_netbench.py", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "slow", "tests/test_netbench.py",
                 *session.posargs)
 
 
