@@ -43,7 +43,7 @@ import textwrap
 import threading
 import time
 
-import portpicker
+from kerasps.runtime.ports import pick_port
 
 SCENARIOS = ("worker_restarted", "worker_gone", "ps_killed", "coordinator_killed")
 SYSTEMS = ("tf_keras", "kerasps")
@@ -106,7 +106,7 @@ class Job:
 
     def __init__(self, workdir, system):
         self.workdir, self.system = workdir, system
-        self.cluster = {kind: [f"localhost:{portpicker.pick_unused_port()}" for _ in range(n)]
+        self.cluster = {kind: [f"localhost:{pick_port()}" for _ in range(n)]
                         for kind, n in (("chief", 1), ("worker", 2), ("ps", 1))}
         self.servers = {(kind, i): self._serve(kind, i)
                         for kind, n in (("worker", 2), ("ps", 1)) for i in range(n)}

@@ -210,13 +210,14 @@ def _run_tf_keras(spe, steps, warmup, variant=None):
     # The TensorFlow tutorial's in-process cluster ("Parameter server training
     # with ParameterServerStrategy"): workers get num_workers + 1 inter-op threads.
     os.environ["GRPC_FAIL_FAST"] = "use_caller"
-    import portpicker
     import tensorflow as tf
     import tf_keras
 
+    from kerasps.runtime.ports import pick_port
+
     cluster = {
-        "worker": [f"localhost:{portpicker.pick_unused_port()}" for _ in range(NUM_WORKERS)],
-        "ps": [f"localhost:{portpicker.pick_unused_port()}" for _ in range(NUM_PS)],
+        "worker": [f"localhost:{pick_port()}" for _ in range(NUM_WORKERS)],
+        "ps": [f"localhost:{pick_port()}" for _ in range(NUM_PS)],
     }
     spec = tf.train.ClusterSpec(cluster)
     worker_config = tf.compat.v1.ConfigProto()

@@ -7,10 +7,10 @@ import sys
 import textwrap
 import warnings
 
-import portpicker
 import pytest
 
 import kerasps
+from kerasps.runtime.ports import pick_port
 
 DEADLINE = 240  # seconds: a hung cluster fails the test instead of the whole run
 
@@ -216,9 +216,9 @@ def test_serve_refuses_a_chief_task(monkeypatch):
 @pytest.mark.slow  # a cluster of real processes
 def test_model_fit_on_a_cluster_of_real_processes_wired_by_tf_config(tmp_path):
     cluster = {
-        "chief": [f"localhost:{portpicker.pick_unused_port()}"],
-        "worker": [f"localhost:{portpicker.pick_unused_port()}" for _ in range(2)],
-        "ps": [f"localhost:{portpicker.pick_unused_port()}"],
+        "chief": [f"localhost:{pick_port()}"],
+        "worker": [f"localhost:{pick_port()}" for _ in range(2)],
+        "ps": [f"localhost:{pick_port()}"],
     }
     base_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     servers = []
@@ -280,7 +280,7 @@ def test_a_reconnection_waits_for_a_moved_task_and_goes_to_its_new_address(monke
         listener.listen()
         listeners.append(listener)
     chief, worker, moved = (f"127.0.0.1:{s.getsockname()[1]}" for s in listeners)
-    lost = f"127.0.0.1:{portpicker.pick_unused_port()}"  # nothing serves there
+    lost = f"127.0.0.1:{pick_port()}"  # nothing serves there
     old = {"chief": [chief], "worker": [worker], "ps": [lost]}
     server_def = tensorflow_server_pb2.ServerDef(
         cluster=tf.train.ClusterSpec(old).as_cluster_def(), job_name="chief", task_index=0,

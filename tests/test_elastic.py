@@ -11,9 +11,9 @@ import subprocess
 import sys
 import textwrap
 
-import portpicker
 import pytest
 
+from kerasps.runtime.ports import pick_port
 from tests.launched import RunningJob, launch
 
 pytestmark = pytest.mark.slow
@@ -86,7 +86,7 @@ def test_workers_join_and_leave_a_running_fit(tmp_path, mode):
 def test_below_min_workers_fit_holds_then_fails_naming_the_missing_workers(tmp_path):
     """Two `kerasps serve` workers, `min_workers=2`: one killed for good holds training,
     then `fit` raises `TooFewWorkersError` after `min_workers_timeout`."""
-    cluster = {kind: [f"localhost:{portpicker.pick_unused_port()}" for _ in range(n)]
+    cluster = {kind: [f"localhost:{pick_port()}" for _ in range(n)]
                for kind, n in (("chief", 1), ("worker", 2), ("ps", 1))}
 
     def config(kind, index):

@@ -14,9 +14,9 @@ import textwrap
 import time
 import types
 
-import portpicker
 import pytest
 
+from kerasps.runtime.ports import pick_port
 from tests.launched import RunningJob, launch, process_gone, wait_until
 
 pytestmark = pytest.mark.slow
@@ -111,7 +111,7 @@ def test_worker_killed_mid_fit_evaluate_and_custom_loop_is_restarted_and_calls_f
 def test_worker_killed_mid_fit_without_an_agent(tmp_path, back_after):
     """Two `kerasps serve` workers and a ps; worker 1 is killed and, like a pod that
     Kubernetes restarts, comes back on its address `back_after` seconds later (or never)."""
-    cluster = {kind: [f"localhost:{portpicker.pick_unused_port()}" for _ in range(n)]
+    cluster = {kind: [f"localhost:{pick_port()}" for _ in range(n)]
                for kind, n in (("chief", 1), ("worker", 2), ("ps", 1))}
 
     def config(kind, index):

@@ -414,14 +414,14 @@ def test_fail_chief_raises_in_the_main_thread_and_other_sigterms_go_to_the_previ
 # machine's kernel gave picked ports to the starting actors' outgoing connections).
 TAKEN_PORT = """
     import json, socket, sys
-    import portpicker
     from kerasps.runtime import ray_server
+    from kerasps.runtime.ports import pick_port
 
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen(1)
     taken = f"127.0.0.1:{holder.getsockname()[1]}"
-    ps = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    ps = f"127.0.0.1:{pick_port()}"
     task = ray_server.TaskServer({"worker": [taken], "ps": [ps]}, "worker", 0, cpus=1,
                                  hide_gpus=True)
     host, port = task.address.rsplit(":", 1)

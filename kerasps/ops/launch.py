@@ -175,7 +175,7 @@ class Launcher:
             (`kerasps.ops.console.Console`: progress bars redrawn in place on a terminal,
             complete lines only elsewhere).
         env: the environment the tasks start from (default `os.environ`).
-        pick_port: returns a free port (default `portpicker.pick_unused_port`).
+        pick_port: returns a free port (default `kerasps.runtime.ports.pick_port`).
         tf_logs: TensorFlow's lines as TensorFlow prints them: its start-up lines kept in
             the tasks' output, and the tasks run with `KERASPS_TF_LOGS=1`. By default the
             start-up lines are dropped and `TF_CPP_MIN_LOG_LEVEL` is 3 unless `env` sets

@@ -148,9 +148,7 @@ def make_cluster(spec: LaunchSpec, pick_port=None) -> dict:
     if spec.engine == "ray":  # Ray's actors pick their ports, the chief its own
         return {}
     if pick_port is None:
-        import portpicker
-
-        pick_port = portpicker.pick_unused_port
+        from kerasps.runtime.ports import pick_port
     counts = {"chief": 1, "worker": spec.workers, "ps": spec.ps}
     return {kind: [f"{spec.host}:{pick_port()}" for _ in range(n)] for kind, n in counts.items()}
 

@@ -168,17 +168,18 @@ def in_process(num_workers: int = 2, num_ps: int = 2, *, under_launch: str = "er
             raise RuntimeError(_in_process_in_a_job(num_workers, num_ps, launched=True))
     elif _tf_config_is_set():
         warnings.warn(_in_process_in_a_job(num_workers, num_ps), UserWarning, stacklevel=2)
-    import portpicker
     import tensorflow as tf
+
+    from kerasps.runtime.ports import pick_port
 
     _enable_fail_fast()
     with _IN_PROCESS_LOCK:
         spec = _IN_PROCESS.get((num_workers, num_ps))
         if spec is None:
             cluster = {
-                "worker": [f"localhost:{portpicker.pick_unused_port()}"
+                "worker": [f"localhost:{pick_port()}"
                            for _ in range(num_workers)],
-                "ps": [f"localhost:{portpicker.pick_unused_port()}" for _ in range(num_ps)],
+                "ps": [f"localhost:{pick_port()}" for _ in range(num_ps)],
             }
             spec = tf.train.ClusterSpec(cluster)
             for task_type in ("worker", "ps"):

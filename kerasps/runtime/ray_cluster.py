@@ -178,9 +178,9 @@ def _release_started_ray(ray, user: bool):
 def _chief_address(ip: str) -> str:
     """A free port of the driver for its chief server. A new one for each cluster: the
     servers of a cluster this process connected to before keep their ports."""
-    import portpicker
+    from kerasps.runtime.ports import pick_port
 
-    return f"{ip}:{portpicker.pick_unused_port()}"
+    return f"{ip}:{pick_port()}"
 
 
 class RayClusterResolver(tf.distribute.cluster_resolver.SimpleClusterResolver):
@@ -645,7 +645,7 @@ def _pick_addresses(ray, in_bundle, count, timeout_s) -> list:
                 "processes; try a longer placement_timeout_s.")
         for i, ref in refs.items():
             places[i] = ray.get(ref)
-        # portpicker releases a port once picked: two tasks picking at once may draw one.
+        # Two tasks on two simulated nodes of one machine may be given one port.
         seen, again = set(), []
         for i, place in enumerate(places):
             key = (place["node_id"], place["port"])

@@ -28,10 +28,11 @@ PORT_TRIES = 5
 
 def pick_address() -> dict:
     """A free port on this node, with the node's address and id (a Ray task's body)."""
-    import portpicker
     import ray
 
-    return {"ip": ray.util.get_node_ip_address(), "port": portpicker.pick_unused_port(),
+    from kerasps.runtime.ports import pick_port
+
+    return {"ip": ray.util.get_node_ip_address(), "port": pick_port(),
             "node_id": ray.get_runtime_context().get_node_id()}
 
 
@@ -82,7 +83,7 @@ def _start_server(tf, cluster: dict, task_type: str, index: int, config):
     """Starts the task's `tf.distribute.Server` at its address in `cluster`, or, when another
     process holds that port, at another free port of the same host (up to `PORT_TRIES`
     ports). Returns the server and the address it serves at."""
-    import portpicker
+    from kerasps.runtime.ports import pick_port
 
     for tries in range(1, PORT_TRIES + 1):
         address = cluster[task_type][index]
@@ -95,7 +96,7 @@ def _start_server(tf, cluster: dict, task_type: str, index: int, config):
             if "Could not start gRPC server" not in str(e) or tries == PORT_TRIES:
                 raise
         host = address.rpartition(":")[0]
-        cluster = _moved(cluster, task_type, index, f"{host}:{portpicker.pick_unused_port()}")
+        cluster = _moved(cluster, task_type, index, f"{host}:{pick_port()}")
         print(f"kerasps: {task_type} {index} could not serve at {address} (another process "
               f"took the port); serving at {cluster[task_type][index]} instead.", flush=True)
 
