@@ -53,17 +53,18 @@ def slow(session):
     """The tests marked `slow` (real-process clusters, failures, the tutorials), as CI runs
     them: a test file per process on two processes, the network bench's link cuts alone."""
     session.install(".[test]")
-    session.run("python", "-m", "pytest", "-m", "slow", "-n", "2", "--dist", "loadfile",
-                "--ignore", "tests/test_netbench.py", *session.posargs)
-    session.run("python", "-m", "pytest", "-m", "slow", "tests/test_netbench.py",
+    session.run("python", "-m", "pytest", "-m", "slow", "--ignore", "tests/test_netbench.py",
+                *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "slow", "-n", "0", "tests/test_netbench.py",
                 *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def stress(session):
-    """Only the tests marked `stress` (not in the default run; CI runs them after it)."""
+    """Only the tests marked `stress` (not in the default run; CI runs them after it), in
+    one process: they load the machine on purpose."""
     session.install(".[test]")
-    session.run("python", "-m", "pytest", "-m", "stress", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "stress", "-n", "0", *session.posargs)
 
 
 BENCHMARKS = ("fit_throughput", "fit_overhead", "crossings", "embedding_scaling", "faults",
