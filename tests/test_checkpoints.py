@@ -444,6 +444,7 @@ def ps_variables(strategy):
     return sorted((r.name, r.ps_task) for r in strategy.placement_report()), live
 
 
+@pytest.mark.slow  # the default run's longest: 100 saves: ~60 s
 def test_the_ps_tasks_hold_the_same_variables_after_the_100th_save_as_after_the_first(
         make_strategy, tmp_path):
     """Every save and load of a backup or checkpoint walks the model's saveables; none may

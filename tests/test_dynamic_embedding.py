@@ -557,6 +557,7 @@ print(json.dumps({"clock": first.stats.numpy()[:, 0].tolist()}))
 DEADLINE_S = 120  # the fits take seconds; each hung within 100 steps before its fix
 
 
+@pytest.mark.slow  # the default run's longest: repeated until a deadlock would show: ~25 s each
 @pytest.mark.parametrize("model,lookups_per_step", [("two layers", 1),
                                                     ("one layer called twice", 2)])
 def test_two_training_lookups_in_one_step_do_not_deadlock_two_workers(model, lookups_per_step,
@@ -592,6 +593,7 @@ def trained_on_two_ps(strategy):
     return model, layer
 
 
+@pytest.mark.slow  # the default run's longest: clusters of 1 and 3 ps tasks: ~20 s
 def test_a_checkpoint_restores_exactly_into_another_number_of_ps_tasks(tmp_path, strategy):
     model, layer = trained_on_two_ps(strategy)
     slot_before = model.optimizer.variables

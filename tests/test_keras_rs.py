@@ -708,6 +708,7 @@ def used_rows(layer):
     return {int(state[r, 0]): int(r) for r in used}, layer.rows.numpy()
 
 
+@pytest.mark.slow  # the default run's longest: ~20 s
 def test_a_dynamic_table_admits_evicts_and_trains_with_its_own_optimizer_in_fit(make_strategy):
     strategy = two_shards(make_strategy)
     with strategy.scope():
@@ -837,6 +838,7 @@ print(json.dumps({"clock": layer.stats.numpy()[:, 0].tolist(), **layer.table_sta
 """
 
 
+@pytest.mark.slow  # the default run's longest: a chief process, repeated steps: ~25 s
 def test_two_features_sharing_a_dynamic_table_train_without_hanging(tmp_path):
     """Two features of one dynamic table and a second dynamic table, two workers, two ps
     tasks: two deadlocks, each within 100 steps in every run tried.
@@ -877,6 +879,7 @@ def dynamic_batch_list(count=12):
     return list(dynamic_batches(count=8 * count).take(count).as_numpy_iterator())
 
 
+@pytest.mark.slow  # the default run's longest: restores under 3 layouts: ~20 s
 def test_dynamic_tables_restore_from_weights_files_and_checkpoints_into_other_layouts(
         make_strategy, tmp_path):
     with two_shards(make_strategy).scope():

@@ -473,6 +473,7 @@ pickle.dump(states, open(sys.argv[1] + "/states.pkl", "wb"))
 """
 
 
+@pytest.mark.slow  # the default run's longest: two more processes with 1 and 3 ps tasks: ~30 s
 def test_a_consumer_goes_on_with_trainers_restored_onto_1_and_3_ps_tasks(strategy, tmp_path):
     # Ids are global (a shard's offset + its row; a dynamic table's keys), so versions of
     # trainers with other numbers of ps tasks apply to one copy of the tables.

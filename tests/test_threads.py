@@ -331,6 +331,7 @@ def test_a_process_asking_for_a_cluster_per_case_does_not_run_out_of_threads():
     run_chief(CLUSTER_PER_CASE, "80", timeout=1800)
 
 
+@pytest.mark.slow  # the default run's longest: predict again and again: ~30 s
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="counts threads in /proc")
 def test_predict_called_again_and_again_adds_no_threads():
     """A long process (a notebook, a test suite) calls `predict` again and again: each
