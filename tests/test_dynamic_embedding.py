@@ -629,6 +629,7 @@ def test_a_checkpoint_restores_exactly_into_another_number_of_ps_tasks(tmp_path,
     assert {500, 501} <= set(rows_of(again.layers[1]))
 
 
+@pytest.mark.slow  # the default run's longest: ~20 s
 def test_export_serves_without_kerasps_and_unknown_ids_read_zeros(tmp_path, strategy):
     model, layer = trained_on_two_ps(strategy)
     model.export(str(tmp_path / "served"), verbose=False)

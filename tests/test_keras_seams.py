@@ -166,6 +166,7 @@ print("DONE", True)
 """
 
 
+@pytest.mark.slow  # the default run's longest: ~17-19 s
 def test_after_uninstall_keras_behaves_as_if_kerasps_was_never_imported():
     """A plain Keras program gives the same results before kerasps is imported and after
     a strategy installed it and `uninstall` took it out, and every attribute of the

@@ -86,6 +86,7 @@ def test_sync_with_one_worker_is_single_process_keras():
     assert "ONE WORKER OK" in done.stdout, done.stderr[-3000:]
 
 
+@pytest.mark.slow  # the default run's longest: 35-65 s per optimizer
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_sync_with_two_workers_is_one_step_on_the_concatenated_batch(make_strategy, optimizer):
     strategy = make_strategy(mode="sync", variable_partitioner=(
