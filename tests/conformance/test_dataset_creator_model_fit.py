@@ -274,7 +274,6 @@ def test_verbose_is_keras_own(strategy, capsys):
     assert f"{STEPS}/{STEPS}" in capsys.readouterr().out
 
 
-@pytest.mark.slow  # the default run's longest: ~25 s
 def test_tensorboard_writes_event_files(strategy, tmp_path):
     """testModelFitTensorBoardEpochLevel."""
     log_dir = tmp_path / "logs"
