@@ -177,8 +177,7 @@ def in_process(num_workers: int = 2, num_ps: int = 2, *, under_launch: str = "er
         spec = _IN_PROCESS.get((num_workers, num_ps))
         if spec is None:
             cluster = {
-                "worker": [f"localhost:{pick_port()}"
-                           for _ in range(num_workers)],
+                "worker": [f"localhost:{pick_port()}" for _ in range(num_workers)],
                 "ps": [f"localhost:{pick_port()}" for _ in range(num_ps)],
             }
             spec = tf.train.ClusterSpec(cluster)

@@ -645,7 +645,8 @@ def _pick_addresses(ray, in_bundle, count, timeout_s) -> list:
                 "processes; try a longer placement_timeout_s.")
         for i, ref in refs.items():
             places[i] = ray.get(ref)
-        # Two tasks on two simulated nodes of one machine may be given one port.
+        # `pick_port`'s claims hold per machine and temp directory: two tasks of one node
+        # whose processes see other temp directories may still draw one port.
         seen, again = set(), []
         for i, place in enumerate(places):
             key = (place["node_id"], place["port"])
