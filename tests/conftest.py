@@ -11,21 +11,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
 
-# Seconds a test may run before pytest-timeout prints every thread's stack and ends the
-# run: a hang fails CI at once, showing where it hung. Tests take under a minute in the
-# default run, a few minutes when `slow` and up to 15 when `stress`.
-TIMEOUT_S = {"stress": 2400, "slow": 1200, None: 600}
-
-
-def pytest_collection_modifyitems(items):
-    """A tutorial takes minutes: every `notebook` test is also `slow`. Every test gets
-    the time limit of its kind (`TIMEOUT_S`) unless it sets its own."""
-    for item in items:
-        if item.get_closest_marker("notebook") is not None:
-            item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("timeout") is None:
-            kind = next((k for k in ("stress", "slow") if item.get_closest_marker(k)), None)
-            item.add_marker(pytest.mark.timeout(TIMEOUT_S[kind]))
+# Every test's time limit, and a hung test's stacks printed once under xdist.
+from tests.timeouts import (  # noqa: E402, F401 (pytest's hooks, found by name)
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_protocol,
+    pytest_testnodedown,
+    pytest_timeout_set_timer,
+    pytest_unconfigure,
+)
 
 
 @pytest.fixture(scope="session")
