@@ -19,6 +19,7 @@ import sys
 import pytest
 
 import kerasps
+from tests import sources
 
 ROOT = pathlib.Path(kerasps.__file__).parent
 
@@ -92,7 +93,7 @@ def import_graph(root: pathlib.Path, package: str) -> dict:
     graph = collections.defaultdict(set)
     for name, path in mods.items():
         here = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(sources.parse(path)):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -189,7 +190,7 @@ def test_modules_import_where_modules_live_not_their_short_names(graph):
 def _imported(path: pathlib.Path) -> list:
     """The names of the modules a file imports (any depth), third-party ones included."""
     names = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(sources.parse(path)):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and not node.level:
@@ -220,7 +221,7 @@ def test_only_the_backend_reads_an_optimizers_private_attributes():
     for name, path in modules(ROOT, "kerasps").items():
         if name.startswith("kerasps.backend."):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(sources.parse(path)):
             if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
                     and not node.attr.startswith("__") and isinstance(node.value, ast.Name)
                     and node.value.id.endswith("optimizer")):

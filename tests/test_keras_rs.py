@@ -477,17 +477,14 @@ def test_the_keras_rs_seams_install_and_put_back_keras_rs_own_functions(strategy
 
 def test_only_the_keras_rs_backend_module_reaches_into_keras_rs_private_code():
     import ast
-    import gc
     import pathlib
 
-    # The eager executors of earlier tests' failed steps raise as they are collected;
-    # collected inside `ast.parse`, CPython 3.11 fails it ("AST constructor recursion
-    # depth mismatch"). Collect them first.
-    gc.collect()
+    from tests import sources
+
     root = pathlib.Path(kerasps.__file__).parent
     reaching = sorted(
         str(path.relative_to(root)) for path in root.rglob("*.py")
-        for node in ast.walk(ast.parse(path.read_text()))
+        for node in ast.walk(sources.parse(path))
         if isinstance(node, (ast.Import, ast.ImportFrom))
         and any(name.startswith("keras_rs.src") for name in (
             [node.module or ""] if isinstance(node, ast.ImportFrom)
