@@ -53,8 +53,6 @@ def _run_hung_file(tmp_path):
     )
     (tmp_path / "pytest.ini").write_text("[pytest]\ntimeout_method = thread\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("KERASPS_PYTEST_STATE_DIR", None)  # this run's own controller makes one
-    env.pop("PYTEST_XDIST_WORKER", None)
     command = "-m pytest -p no:cacheprovider -n 2 --dist loadfile -rs test_hung.py".split()
     return subprocess.run(
         [sys.executable, *command], cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -62,10 +62,10 @@ _stderr = None  # in a worker: its standard error as it was before pytest captur
 
 @pytest.hookimpl(trylast=True)  # after pytest's own faulthandler plugin
 def pytest_configure(config):
-    """The controller (or a run without workers) makes the shared directory; a pytest
-    that a test starts keeps its parent's. A worker keeps its standard error for the
-    watchdog and for a crash's stacks (pytest redirects file descriptor 2 while a test
-    runs)."""
+    """The controller (or a run without workers) makes the shared directory (its own,
+    also in a pytest that a test starts: its workers are named gw0, gw1 too). A worker
+    keeps its standard error for the watchdog and for a crash's stacks (pytest redirects
+    file descriptor 2 while a test runs)."""
     global _stderr
     if hasattr(config, "workerinput"):
         capture = config.pluginmanager.getplugin("capturemanager")
@@ -75,8 +75,7 @@ def pytest_configure(config):
             capture.resume_global_capture()
             faulthandler.enable(file=_stderr, all_threads=True)
         return
-    if STATE_DIR_ENV in os.environ:
-        return
+    config._kerasps_outer_state_dir = os.environ.get(STATE_DIR_ENV)
     os.environ[STATE_DIR_ENV] = config._kerasps_state_dir = tempfile.mkdtemp(
         prefix="kerasps-pytest-"
     )
@@ -84,17 +83,23 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     state_dir = getattr(config, "_kerasps_state_dir", None)
-    if state_dir is not None:
-        shutil.rmtree(state_dir, ignore_errors=True)
+    if state_dir is None:
+        return
+    shutil.rmtree(state_dir, ignore_errors=True)
+    outer = config._kerasps_outer_state_dir
+    if outer is None:
         os.environ.pop(STATE_DIR_ENV, None)
+    else:
+        os.environ[STATE_DIR_ENV] = outer
 
 
-def _worker_state():
+def _worker_state(config):
     """(this worker's file of its running test, the file of tests not to run again), or
     None outside an xdist worker."""
-    worker, state_dir = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get(STATE_DIR_ENV)
-    if worker is None or state_dir is None:
+    state_dir = os.environ.get(STATE_DIR_ENV)
+    if not hasattr(config, "workerinput") or state_dir is None:
         return None
+    worker = config.workerinput["workerid"]
     return os.path.join(state_dir, worker), os.path.join(state_dir, _CRASHED)
 
 
@@ -108,7 +113,7 @@ def _read_lines(path):
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
-    state = _worker_state()
+    state = _worker_state(item.config)
     if state is None:
         return (yield)
     running, crashed = state
@@ -139,7 +144,7 @@ def pytest_testnodedown(node, error):
 def pytest_timeout_set_timer(item, settings):
     """In an xdist worker, a hung test's stacks go to standard error (which reaches the
     run's output), then the worker ends as pytest-timeout would end it."""
-    if _worker_state() is None or settings.method != "thread":
+    if _worker_state(item.config) is None or settings.method != "thread":
         return None
     timer = threading.Timer(settings.timeout, _print_stacks_and_exit, (item, settings))
     timer.name = f"timeout {item.nodeid}"
@@ -170,7 +175,7 @@ def _print_stacks_and_exit(item, settings):
         bar = "+" * 30
         sys.stderr.write(
             f"\n{bar} Timeout: {item.nodeid} ran over {settings.timeout:g} s "
-            f"(worker {os.environ.get('PYTEST_XDIST_WORKER')}) {bar}\n"
+            f"(worker {item.config.workerinput['workerid']}) {bar}\n"
         )
         for name, text in (("stdout", out), ("stderr", err)):
             if text:
