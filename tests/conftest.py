@@ -12,14 +12,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import pytest  # noqa: E402
 
 # Every test's time limit, and a hung test's stacks printed once under xdist.
-from tests.timeouts import (  # noqa: E402, F401 (pytest's hooks, found by name)
-    pytest_collection_modifyitems,
-    pytest_configure,
-    pytest_runtest_protocol,
-    pytest_testnodedown,
-    pytest_timeout_set_timer,
-    pytest_unconfigure,
-)
+from tests.timeouts import *  # noqa: E402, F403 (pytest's hooks, found by name)
 
 
 @pytest.fixture(scope="session")

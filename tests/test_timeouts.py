@@ -45,12 +45,7 @@ def test_hangs_holding_the_gil():
 
 def _run_hung_file(tmp_path):
     (tmp_path / "test_hung.py").write_text(textwrap.dedent(HUNG))
-    (tmp_path / "conftest.py").write_text(
-        "from tests.timeouts import (  # noqa: F401\n"
-        "    pytest_configure, pytest_runtest_protocol, pytest_testnodedown,\n"
-        "    pytest_timeout_set_timer, pytest_unconfigure,\n"
-        ")\n"
-    )
+    (tmp_path / "conftest.py").write_text("from tests.timeouts import *  # noqa: F403\n")
     (tmp_path / "pytest.ini").write_text("[pytest]\ntimeout_method = thread\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     command = "-m pytest -p no:cacheprovider -n 2 --dist loadfile -rs test_hung.py".split()

@@ -23,8 +23,8 @@ The controller and its workers share a directory (`STATE_DIR_ENV`, made by the
 controller): each worker writes there the test it runs; the controller, told a worker
 died, adds that worker's test to the file of tests not to run again.
 
-`tests/conftest.py` imports the hooks, so they hold for every item of a run that loads it
-(`docs/` and README.md included: these hooks are not scoped to a directory).
+`tests/conftest.py` imports the hooks (`__all__`), so they hold for every item of a run
+that loads it (`docs/` and README.md included: these hooks are not scoped to a directory).
 """
 
 import faulthandler
@@ -35,6 +35,15 @@ import tempfile
 import threading
 
 import pytest
+
+__all__ = [  # pytest's hooks, found by name in the conftest that imports them
+    "pytest_collection_modifyitems",
+    "pytest_configure",
+    "pytest_runtest_protocol",
+    "pytest_testnodedown",
+    "pytest_timeout_set_timer",
+    "pytest_unconfigure",
+]
 
 # Seconds a test may run before its stacks are printed and its process ended. Tests take
 # under 30 s in the default run, a few minutes when `slow` and up to 15 when `stress`.
@@ -93,14 +102,17 @@ def pytest_unconfigure(config):
         os.environ[STATE_DIR_ENV] = outer
 
 
+def _files(state_dir, worker):
+    """(`worker`'s file of the test it runs, the file of tests not to run again)."""
+    return os.path.join(state_dir, worker), os.path.join(state_dir, _CRASHED)
+
+
 def _worker_state(config):
-    """(this worker's file of its running test, the file of tests not to run again), or
-    None outside an xdist worker."""
+    """`_files` of this worker, or None outside an xdist worker."""
     state_dir = os.environ.get(STATE_DIR_ENV)
     if not hasattr(config, "workerinput") or state_dir is None:
         return None
-    worker = config.workerinput["workerid"]
-    return os.path.join(state_dir, worker), os.path.join(state_dir, _CRASHED)
+    return _files(state_dir, config.workerinput["workerid"])
 
 
 def _read_lines(path):
@@ -134,10 +146,11 @@ def pytest_testnodedown(node, error):
     state_dir = os.environ.get(STATE_DIR_ENV)
     if error is None or state_dir is None:
         return
-    running = _read_lines(os.path.join(state_dir, node.gateway.id))
-    if running:
-        with open(os.path.join(state_dir, _CRASHED), "a") as f:
-            f.write(running[0] + "\n")
+    running, crashed = _files(state_dir, node.gateway.id)
+    test = _read_lines(running)
+    if test:
+        with open(crashed, "a") as f:
+            f.write(test[0] + "\n")
 
 
 @pytest.hookimpl(tryfirst=True)
