@@ -59,6 +59,9 @@ def _record_epoch_counts(model, history, epoch, iterations_before, steps, rerun,
     task's state was restored from a backup, once that happened;
     `history.history["workers"]` the workers running at each epoch's end, once one
     of the declared workers was missing there.
+
+    Returns the counter's value read: the next epoch counts from it, so that a step a
+    cut-off worker applies between two epochs counts in the next one.
     """
     after = iterations_of(model)
     count = 0 if iterations_before is None or after is None else max(
@@ -69,6 +72,7 @@ def _record_epoch_counts(model, history, epoch, iterations_before, steps, rerun,
     if count:
         _log.warning("Epoch %d: %d step(s) ran twice: a worker failed before its results "
                      "reached the coordinator (training is at-least-once).", epoch + 1, count)
+    return after
 
 
 def _known(total):
@@ -212,7 +216,7 @@ class _EpochLoop:
             initial_epoch = resumed.epoch
         self.position = Progress(initial_epoch, resumed.step if (
             resumed is not None and resumed.epoch == initial_epoch) else 0)
-        training_logs = None
+        training_logs, counted = None, None
         with backup.recording(self._backed_up) if backup else contextlib.nullcontext(), (
                 self.call.pool.running()), _tf.quiet_end_of_input() if (
                     self.call.per_worker.exactly_once) else contextlib.nullcontext():
@@ -225,15 +229,21 @@ class _EpochLoop:
                 if self.call.coordinator.tracing:
                     self.call.coordinator.set_trace_phase("train", model.steps_per_execution)
                 start = self.position.step if self.position.epoch == epoch else 0
-                iterations_before, rerun = iterations_of(model), 0
-                if iterations_before is not None:
-                    self.origin = (epoch, iterations_before - start)
+                # From the previous epoch's count where the counter went on from there:
+                # between two epochs a worker cut off mid-step can still apply its step,
+                # after the step ran again elsewhere (a callback may load a lower count).
+                iterations_before = applied = iterations_of(model)
+                if applied is not None:
+                    self.origin = (epoch, applied - start)
+                    if counted is not None:
+                        iterations_before = min(counted, applied)
                 self.runner.begin(epoch, start)
                 self.position = None  # the runner's progress from here
                 epoch_logs, rerun = self._epoch(epoch, initial_epoch)
                 history = _keras.history_of(callbacks)
-                _record_epoch_counts(model, history, epoch, iterations_before,
-                                     self.runner.scheduled - start, rerun, self.call.pool)
+                counted = _record_epoch_counts(model, history, epoch, iterations_before,
+                                               self.runner.scheduled - start, rerun,
+                                               self.call.pool)
                 self.position = Progress(epoch + 1, 0)
                 callbacks.on_epoch_end(epoch, epoch_logs)
                 if backup is not None:
