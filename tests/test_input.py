@@ -89,6 +89,41 @@ def test_arrays_given_to_fit_are_read_once_per_epoch(strategy):
     np.testing.assert_array_equal(visits(model), np.full(ROWS, 2))
 
 
+@pytest.mark.parametrize("call", ["fit", "evaluate"])
+def test_the_workers_readers_go_when_the_call_returns_not_at_a_later_collection(
+        strategy, monkeypatch, call):
+    """Each pass's readers (iterators on the workers, of a tf.data service job) are freed
+    when the call returns: before, the end of the input's errors kept them in reference
+    cycles until a later garbage collection, which, when it ran while the next strategy
+    connected to another cluster, held its constructor for up to minutes (a reader of
+    the in-process service then blocks TensorFlow's closing of the old connection)."""
+    import gc
+    import weakref
+
+    from kerasps.runtime.input import per_worker
+
+    readers, new_pass = [], per_worker.PerWorkerDataset.__iter__
+
+    def recorded(dataset):
+        iterator = new_pass(dataset)
+        readers.append(weakref.ref(iterator))
+        return iterator
+
+    monkeypatch.setattr(per_worker.PerWorkerDataset, "__iter__", recorded)
+    model = visit_counter(strategy)
+    gc.collect()
+    gc.disable()
+    try:
+        if call == "fit":
+            model.fit(once(lambda context: ids_dataset().batch(BATCH)), epochs=2, verbose=0)
+        else:
+            model.evaluate(ids_dataset().batch(BATCH), verbose=0)
+        assert readers
+        assert [reader() for reader in readers] == [None] * len(readers)
+    finally:
+        gc.enable()
+
+
 def test_exactly_once_can_be_turned_off_for_a_dataset(strategy):
     model = visit_counter(strategy)
     data = strategy.experimental_distribute_dataset(

@@ -4,6 +4,7 @@ A TensorFlow upgrade that moves these touches only this file.
 """
 
 import contextlib
+import copy
 import gc
 import logging
 import socket
@@ -14,7 +15,7 @@ import weakref
 
 from tensorflow.python.distribute import input_lib, input_util
 from tensorflow.python.distribute import parameter_server_strategy_v2 as pss_v2
-from tensorflow.python.distribute.coordinator import cluster_coordinator
+from tensorflow.python.distribute.coordinator import cluster_coordinator, remote_value
 from tensorflow.python.distribute.coordinator import values as coordinator_values
 from tensorflow.python.eager import context
 from tensorflow.python.framework import composite_tensor, dtypes
@@ -264,12 +265,45 @@ class _ResultOnCoordinator(coordinator_values.RemoteValueImpl):
         _notify_published()
 
     def _set_error(self, error):
-        super()._set_error(error)
+        super()._set_error(_copy_of(error))
         _notify_published()
 
     def _set_aborted(self, error):
-        super()._set_aborted(error)
+        super()._set_aborted(_copy_of(error))
         _notify_published()
+
+    def _wait_and_maybe_error(self):
+        """Raises a copy of the function's error, never the error itself.
+
+        TensorFlow raises the one error it stored, and each `raise` adds the frames it
+        passes through to that error's traceback: the frames of whoever fetched the
+        result, and the result, its error and those frames then form a cycle that only
+        the garbage collector ends, keeping everything those frames held (iterators
+        on the workers, a tf.data service job's readers) until some later collection.
+        A reader of the in-process tf.data service destroyed that late, while the next
+        strategy connected, held that strategy's constructor for up to minutes. The
+        copy's traceback belongs to the one who caught it, and the stored error is a copy
+        too, without a frame: TensorFlow's closure queue raises the error it was given
+        (`_raise_if_error`) at the next `schedule` or `join`.
+        """
+        self._status_available_event.wait()
+        error = self._error
+        if error is None or self._status is remote_value.RemoteValueStatus.ABORTED:
+            super()._wait_and_maybe_error()
+            return
+        raise _copy_of(error)
+
+
+def _copy_of(error: BaseException) -> BaseException:
+    """`error` again, as a new exception without a traceback (the same one where it
+    cannot be copied)."""
+    try:
+        clone = copy.copy(error)
+    except Exception:  # noqa: BLE001 - an exception type copy cannot rebuild
+        return error
+    clone.__dict__.update(error.__dict__)
+    clone.__cause__, clone.__suppress_context__ = error.__cause__, error.__suppress_context__
+    return clone
 
 
 # Notified whenever a scheduled function's result or error is published.
