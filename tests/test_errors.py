@@ -10,6 +10,7 @@ functions queued behind it are cancelled (their `fetch()` raises
 """
 
 import os
+import threading
 import time
 import traceback
 
@@ -328,3 +329,33 @@ def test_keras_traceback_filtering_decides_whether_kerasps_frames_are_shown(stra
     files = [file for file, _ in frames(raw)]
     assert os.path.join(KERASPS, "keras", "trainer", "training.py") in files, files
     assert frames(raw)[0] == frames(filtered)[0] and frames(raw)[-1] == frames(filtered)[-1]
+
+
+class CtrlCInALockWait(keras.callbacks.Callback):
+    """Ctrl-C as CPython delivers it to a thread getting a contended lock back in
+    `Condition.wait` (after being woken, another thread holding the lock): the lock is not
+    acquired, and the `with` block's exit raises `RuntimeError` in the middle of the
+    `KeyboardInterrupt` (a `kerasps launch` chief printed that traceback, 1 run in ~20)."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            lock = threading.Lock()
+            try:
+                raise KeyboardInterrupt  # the acquire in `_acquire_restore`, interrupted
+            finally:
+                lock.release()  # `Condition.__exit__`: "release unlocked lock"
+
+
+@pytest.mark.parametrize("filtering", [True, False])
+def test_ctrl_c_that_breaks_a_locks_release_leaves_fit_as_a_keyboard_interrupt(
+        strategy, filtering):
+    model = make_model(strategy)
+    if not filtering:
+        keras.config.disable_traceback_filtering()
+    try:
+        with pytest.raises(BaseException) as info:
+            model.fit(records(), epochs=1, steps_per_epoch=10, verbose=0,
+                      callbacks=[CtrlCInALockWait()])
+    finally:
+        keras.config.enable_traceback_filtering()
+    assert type(info.value) is KeyboardInterrupt, repr(info.value)

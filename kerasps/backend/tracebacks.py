@@ -72,18 +72,43 @@ def filtered(function):
     """Decorates a `fit`, `evaluate` or `predict` of kerasps: an exception that leaves it
     has no frame of kerasps, Keras or TensorFlow (nor in the exceptions chained to it)
     while Keras' traceback filtering is enabled; for a `KeyboardInterrupt`, what kerasps
-    was handling when Ctrl-C came is not shown either."""
+    was handling when Ctrl-C came is not shown either. Ctrl-C leaves as a
+    `KeyboardInterrupt` also where CPython turned it into a lock's `RuntimeError`."""
 
     @functools.wraps(function)
     def call(*args, **kwargs):
-        if not keras.config.is_traceback_filtering_enabled():
-            return function(*args, **kwargs)
         try:
             return function(*args, **kwargs)
+        except RuntimeError as error:
+            interrupt = _interrupt_of(error)
+            if interrupt is None:
+                _filter_if_enabled(error)
+                raise  # as it is: a `raise error` would add this frame to its traceback
         except (Exception, KeyboardInterrupt) as error:
-            _filter(error, set())
-            if isinstance(error, KeyboardInterrupt):
-                error.__suppress_context__ = True
-            raise  # as it is: a `raise error` would add this frame to its traceback
+            _filter_if_enabled(error)
+            raise
+        _filter_if_enabled(interrupt)
+        raise interrupt
 
     return call
+
+
+def _filter_if_enabled(error: BaseException):
+    if keras.config.is_traceback_filtering_enabled():
+        _filter(error, set())
+        if isinstance(error, KeyboardInterrupt):
+            error.__suppress_context__ = True
+
+
+# What CPython raises where a `with lock:` block ends without the lock: a Ctrl-C that
+# interrupted `Condition.wait` getting its lock back (held by another thread) left it so.
+_UNHELD_LOCK = ("release unlocked lock", "cannot release un-acquired lock")
+
+
+def _interrupt_of(error: RuntimeError) -> KeyboardInterrupt | None:
+    """The `KeyboardInterrupt` that `error`, a lock's release refused, was raised over,
+    if that is what it is: Ctrl-C, which leaves as itself."""
+    context = error.__context__
+    if str(error) in _UNHELD_LOCK and isinstance(context, KeyboardInterrupt):
+        return context
+    return None
