@@ -61,10 +61,10 @@ def slow(session):
 
 @nox.session(python=PYTHON)
 def stress(session):
-    """Only the tests marked `stress` (not in the default run; CI runs them after it), in
-    one process: they load the machine on purpose."""
+    """Only the tests marked `stress` (not in the default run; CI runs them after it), a
+    test per process on two processes: they load the machine on purpose."""
     session.install(".[test]")
-    session.run("python", "-m", "pytest", "-m", "stress", "-n", "0", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "stress", "--dist", "load", *session.posargs)
 
 
 BENCHMARKS = ("fit_throughput", "fit_overhead", "crossings", "embedding_scaling", "faults",
