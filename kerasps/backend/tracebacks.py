@@ -79,14 +79,11 @@ def filtered(function):
     def call(*args, **kwargs):
         try:
             return function(*args, **kwargs)
-        except RuntimeError as error:
+        except (Exception, KeyboardInterrupt) as error:
             interrupt = _interrupt_of(error)
             if interrupt is None:
                 _filter_if_enabled(error)
                 raise  # as it is: a `raise error` would add this frame to its traceback
-        except (Exception, KeyboardInterrupt) as error:
-            _filter_if_enabled(error)
-            raise
         _filter_if_enabled(interrupt)
         raise interrupt
 
@@ -105,10 +102,11 @@ def _filter_if_enabled(error: BaseException):
 _UNHELD_LOCK = ("release unlocked lock", "cannot release un-acquired lock")
 
 
-def _interrupt_of(error: RuntimeError) -> KeyboardInterrupt | None:
+def _interrupt_of(error: BaseException) -> KeyboardInterrupt | None:
     """The `KeyboardInterrupt` that `error`, a lock's release refused, was raised over,
     if that is what it is: Ctrl-C, which leaves as itself."""
     context = error.__context__
-    if str(error) in _UNHELD_LOCK and isinstance(context, KeyboardInterrupt):
+    if (isinstance(error, RuntimeError) and str(error) in _UNHELD_LOCK
+            and isinstance(context, KeyboardInterrupt)):
         return context
     return None
