@@ -47,7 +47,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # tests.launched: a launched job's lines and pids
 
-from tests.launched import RunningJob  # noqa: E402
+from tests.launched import RunningJob, add_ray_node  # noqa: E402
 
 WORKERS, PS = 2, 2
 TARGET = 0.9  # ray / launch steady-state steps/s
@@ -269,7 +269,7 @@ def ray_cluster():
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False})
     for _ in range(WORKERS + PS + 1):
-        cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+        add_ray_node(cluster)
     cluster.wait_for_nodes()
     return cluster
 

@@ -1,4 +1,5 @@
-"""A `kerasps launch` job run by a test: its prefixed output, its pids, its exit."""
+"""A `kerasps launch` job run by a test: its prefixed output, its pids, its exit; and the
+waits and simulated Ray nodes such tests and the benchmarks share."""
 
 from __future__ import annotations
 
@@ -170,3 +171,34 @@ def run_with_deadline(program: str, *args: str, deadline: float, cwd, what: str)
         stderr = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr
         pytest.fail(f"{what} did not end within {deadline} s (a deadlock?); the last lines "
                     f"of their stderr:\n{stderr[-2000:]}")
+
+
+def add_ray_node(cluster):
+    """`cluster.add_node` (a `ray.cluster_utils.Cluster`) of a 1-CPU node on loopback, with
+    the patience two loaded cores need.
+
+    Ray gives a new node's raylet 30 s to register with the GCS (a constant in
+    `ray._private.node.Node.__init__`), polling `services.get_node` meanwhile; beside another
+    test file's TensorFlow processes it once took longer in CI (9 s here beside six busy
+    processes, 2-3 s idle), and the test failed. The poll stays Ray's own: each call waits
+    up to 3 minutes for the node before giving Ray's answer.
+    """
+    import ray._private.services as services
+
+    get_node = services.get_node
+
+    def patient_get_node(*args, **kwargs):
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                return get_node(*args, **kwargs)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    services.get_node = patient_get_node
+    try:
+        return cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    finally:
+        services.get_node = get_node

@@ -21,7 +21,7 @@ import types
 
 import pytest
 
-from tests.launched import default_sigint
+from tests.launched import add_ray_node, default_sigint
 
 # Ray would serve its nodes on the machine's interface address and turn 127.0.0.1 given to
 # `ray.init` into that address; with its multi-node support off, it stays on loopback.
@@ -301,6 +301,9 @@ def _reports(output: str) -> dict:
     return found
 
 
+_DRIVERS: list = []  # every program `_start` started: a failed test's are killed after it
+
+
 def _start(program: str, *args, env=None) -> subprocess.Popen:
     output = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would stop the program
     process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(program), *args],
@@ -308,6 +311,7 @@ def _start(program: str, *args, env=None) -> subprocess.Popen:
                                env={**(os.environ if env is None else env), "PYTHONPATH": ROOT},
                                preexec_fn=default_sigint)
     process.output = output
+    _DRIVERS.append(process)
     return process
 
 
@@ -408,6 +412,36 @@ def test_fail_chief_raises_in_the_main_thread_and_other_sigterms_go_to_the_previ
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == ["without a reason: ['previous'] None",
                                           "raised: The job failed: ps 0 died. | ps 0 died"]
+
+
+def test_a_node_that_registers_after_rays_own_wait_is_still_added(monkeypatch):
+    """CI failed a test of simulated nodes at `add_node`: Ray waits a fixed 30 s for a new
+    node to register, polling `services.get_node`, and two loaded cores took longer. A
+    cluster whose wait is 0.2 s here and whose node registers after 0.5 s."""
+    services = pytest.importorskip("ray._private.services")
+    registered_at = time.monotonic() + 0.5
+
+    def get_node(gcs_address, node_id):
+        if time.monotonic() < registered_at:
+            raise RuntimeError("RPC error: Deadline Exceeded")
+        return {"node_id": node_id}
+
+    class Cluster:  # `Cluster.add_node` -> `Node.__init__`'s wait, in short
+        def add_node(self, **node_args):
+            start = time.monotonic()
+            while True:
+                try:
+                    return services.get_node("gcs", "node 1")
+                except RuntimeError:
+                    if time.monotonic() - start > 0.2:
+                        raise Exception("The current node timed out during startup.") from None
+                time.sleep(0.05)
+
+    monkeypatch.setattr(services, "get_node", get_node)
+    with pytest.raises(Exception, match="timed out during startup"):
+        Cluster().add_node(num_cpus=1)
+    assert add_ray_node(Cluster()) == {"node_id": "node 1"}
+    assert services.get_node is get_node  # Ray's own again
 
 
 # A task's server whose port another process took between the pick and the start (the CI
@@ -527,7 +561,7 @@ def ray_nodes():
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False})
     try:
-        nodes = [cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1") for _ in range(2)]
+        nodes = [add_ray_node(cluster) for _ in range(2)]
         ray.init(address=cluster.address)
         yield types.SimpleNamespace(address=cluster.address, head=cluster.head_node.node_id,
                                     nodes=[node.node_id for node in nodes], cluster=cluster)
@@ -538,10 +572,16 @@ def ray_nodes():
 
 @pytest.fixture(autouse=True)
 def all_resources_back(request):
-    """After each test on `ray_nodes`: every CPU of the cluster free again within a deadline,
-    so that what a test left holding resources fails that test, not the next ones (which
-    Ray could not place)."""
+    """After each test on `ray_nodes`: its driver programs ended (killed if the test failed
+    before they did) and every CPU of the cluster free again within a deadline, so that what
+    a test left holding resources fails that test, not the next ones (which Ray could not
+    place)."""
     yield
+    while _DRIVERS:
+        driver = _DRIVERS.pop()
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
     if "ray_nodes" not in request.fixturenames:
         return
     import ray
@@ -802,7 +842,7 @@ def test_a_node_holding_a_ps_task_lost_mid_fit_its_task_moves_and_fit_restores_i
         ray_nodes, tmp_path):
     # A third node is the spare one Ray places the lost node's bundle on.
     cluster = ray_nodes.cluster
-    spare = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    spare = add_ray_node(cluster)
     removed = tmp_path / "removed"
     driver = _start(NODE_LOSS, ray_nodes.address, str(removed))
     node_id = _wait_for_report(driver, "remove")
@@ -832,13 +872,13 @@ def test_a_workers_node_lost_then_a_node_added_the_pool_shrinks_and_grows_back_i
         ray_nodes, tmp_path):
     cluster = ray_nodes.cluster
     while len(cluster.worker_nodes) < 3:  # one 1-CPU node per task, none to spare
-        cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+        add_ray_node(cluster)
     driver = _start(WORKER_NODE_LOSS, ray_nodes.address, str(tmp_path))
     node_id = _wait_for_report(driver, "remove")
     cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node_id))
     (tmp_path / "removed").touch()
     _wait_for_report(driver, "add")
-    cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    add_ray_node(cluster)
     (tmp_path / "added").touch()
     reports = _finish(driver)
     lost = reports["worker_node_lost"]
