@@ -704,24 +704,6 @@ def _benchmark(name):
     return module
 
 
-def test_a_short_chaos_run_finishes_with_every_step(tmp_path):
-    """`benchmarks/chaos.py` in short: a worker, a ps task and the chief SIGKILLed in turn,
-    one every 6-8 s, under `kerasps launch`."""
-    chaos = _benchmark("chaos")
-    config = chaos.Config(epochs=2, steps=1500, kill_every=(6.0, 8.0), max_kills=3)
-    result = chaos.run_job(str(tmp_path), config, seed=0)
-    output = "\n".join(line for _, line in result["output"][-150:])
-    assert [kill["kind"] for kill in result["kills"]] == ["worker", "ps", "chief"], output
-    assert result["code"] == 0, output
-    assert 3000 <= result["applied"] <= 3000 + 3 * chaos.EXTRA_PER_KILL
-    assert result["finished"]
-    launcher = "\n".join(line for _, line in result["launcher"])
-    for kill in result["kills"]:
-        assert any(line.startswith(f"[launcher] {kill['task']} exited with signal 9 (SIGKILL); "
-                                   "restart 1 of") for _, line in result["launcher"]), (
-            kill, launcher)
-
-
 def test_the_chaos_driver_reads_past_a_counter_line_cut_short():
     """A chief killed while writing, or two of its threads writing at once, leaves an `it`
     line with no counter: the driver once died on it (ValueError) in the middle of a soak."""
